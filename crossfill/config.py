@@ -1,0 +1,407 @@
+"""The crossfill configuration file: the seed's `inference_service` block plus the topology.
+
+One YAML file describes a whole deployment, so every process (`crossfill serve ROLE`) and
+`crossfill up` read the same file and agree on who is where. The `inference_service` block is
+exactly the one in MISSION M6 (same keys, same meaning, the seed's values as defaults); every
+key changes behaviour somewhere, as `docs/CONFIG.md` lists. Everything is strict: an unknown
+key or a wrong type is refused with the key path and the expected type, because a typo in a
+deployment file silently falling back to a default is the worst kind of bug to diagnose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Role = Literal["gateway", "scheduler", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("gateway", "scheduler", "prefill", "decode")
+CompressionMode = Literal["hybrid_attention", "lossless", "fp16", "bf16", "fp8", "int8"]
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the key path and the fix."""
+
+
+class _Strict(BaseModel):
+    # forbid: unknown keys are errors; strict-ish numbers: "8000" is not an int in a config file.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# --------------------------------------------------------------------------- inference_service
+
+
+class RoutingConfig(_Strict):
+    long_context_threshold_tokens: int = Field(16384, ge=1)
+    prefer_remote_prefill: bool = True
+    fallback_to_local_on_failure: bool = True
+
+
+class PrefillPoolConfig(_Strict):
+    replicas: int = Field(4, ge=1)
+    resource_class: str = "high_compute"
+    max_queue_depth: int = Field(64, ge=1)
+    warmup_before_serving: bool = True
+
+
+class DecodePoolConfig(_Strict):
+    replicas: int = Field(8, ge=1)
+    resource_class: str = "high_bandwidth"
+    max_concurrent_requests: int = Field(128, ge=1)
+
+
+class KVCacheConfig(_Strict):
+    compression_enabled: bool = True
+    compression_mode: CompressionMode = "hybrid_attention"
+    checksum_enabled: bool = True
+    timeout_ms: int = Field(8000, ge=1)
+    max_retry: int = Field(2, ge=0)
+
+
+class NetworkConfig(_Strict):
+    min_bandwidth_gbps: float = Field(40.0, gt=0)
+    max_latency_ms: float = Field(10.0, gt=0)
+    isolated_transport_queue: bool = True
+
+
+class ObservabilityConfig(_Strict):
+    metrics_enabled: bool = True
+    tracing_enabled: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class InferenceServiceConfig(_Strict):
+    mode: Literal["prefill_decode_disaggregated", "colocated"] = "prefill_decode_disaggregated"
+    routing: RoutingConfig = RoutingConfig()
+    prefill_pool: PrefillPoolConfig = PrefillPoolConfig()
+    decode_pool: DecodePoolConfig = DecodePoolConfig()
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    network: NetworkConfig = NetworkConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
+
+
+# --------------------------------------------------------------------------- model and resources
+
+
+class ModelConfig(_Strict):
+    # A name from `crossfill models list` or a local Hugging Face directory / .gguf path.
+    name: str = "smollm2-135m"
+    # Name the OpenAI API reports and accepts in `model` (defaults to `name`).
+    served_name: str | None = None
+    max_num_seqs: int = Field(32, ge=1)
+
+    @property
+    def api_name(self) -> str:
+        return self.served_name or self.name
+
+
+class ResourceClassConfig(_Strict):
+    """What a pool's `resource_class` means on this machine: threads and KV memory per instance."""
+
+    torch_threads: int = Field(1, ge=1)
+    kv_memory_mb: int = Field(256, ge=1)
+
+
+# --------------------------------------------------------------------------- topology
+
+
+class EndpointConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+
+
+class PoolPlacement(_Strict):
+    """A pool's instances in one datacenter: instance i listens on port + i (and kv_port + i)."""
+
+    port: int = Field(ge=1, le=65535)
+    kv_port: int | None = Field(None, ge=1, le=65535)  # decode only: where KV frames arrive
+    # None: the pool's `replicas` from inference_service.
+    replicas: int | None = Field(None, ge=0)
+
+
+class DatacenterConfig(_Strict):
+    host: str = "127.0.0.1"
+    prefill: PoolPlacement | None = None
+    decode: PoolPlacement | None = None
+
+
+class LinkConfig(_Strict):
+    """The network between two datacenters; `emulate` puts a WAN emulator on every crossing."""
+
+    between: list[str] = Field(min_length=2, max_length=2)  # two datacenter names
+    bandwidth_gbps: float = Field(gt=0)
+    latency_ms: float = Field(ge=0)  # one way
+    jitter_ms: float = Field(0.0, ge=0)
+    loss_pct: float = Field(0.0, ge=0, le=100)
+    emulate: bool = True
+    # Emulator listening ports start here (one per crossing endpoint), control ports at +100.
+    emulator_port_base: int = Field(9500, ge=1, le=65435)
+
+
+class TopologyConfig(_Strict):
+    local_datacenter: str  # where users, the gateway, the scheduler and the decode pool live
+    gateway: EndpointConfig
+    scheduler: EndpointConfig
+    datacenters: dict[str, DatacenterConfig]
+    links: list[LinkConfig] = []
+
+
+class ServingConfig(_Strict):
+    """Operational knobs of the serving processes that the seed block does not cover."""
+
+    health_check_interval_ms: int = Field(500, ge=50)
+    # Consecutive failed health checks before the scheduler stops routing to an instance.
+    health_check_failures: int = Field(2, ge=1)
+    retry_after_s: int = Field(1, ge=1)  # the Retry-After header on 429/503
+    request_timeout_s: float = Field(600.0, gt=0)  # whole-request deadline at the gateway
+    startup_timeout_s: float = Field(600.0, gt=0)  # `crossfill up` waits this long for /readyz
+
+
+class CrossfillConfig(_Strict):
+    inference_service: InferenceServiceConfig = InferenceServiceConfig()
+    model: ModelConfig = ModelConfig()
+    resource_classes: dict[str, ResourceClassConfig] = {
+        "high_compute": ResourceClassConfig(),
+        "high_bandwidth": ResourceClassConfig(),
+    }
+    topology: TopologyConfig
+    serving: ServingConfig = ServingConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> CrossfillConfig:
+        svc, topo = self.inference_service, self.topology
+        for key, pool in (("prefill_pool", svc.prefill_pool), ("decode_pool", svc.decode_pool)):
+            if pool.resource_class not in self.resource_classes:
+                raise ValueError(
+                    f"inference_service.{key}.resource_class: {pool.resource_class!r} is not defined "
+                    f"in resource_classes (defined: {sorted(self.resource_classes)})"
+                )
+        if topo.local_datacenter not in topo.datacenters:
+            raise ValueError(
+                f"topology.local_datacenter: {topo.local_datacenter!r} is not one of "
+                f"topology.datacenters ({sorted(topo.datacenters)})"
+            )
+        for i, link in enumerate(topo.links):
+            for dc in link.between:
+                if dc not in topo.datacenters:
+                    raise ValueError(f"topology.links.{i}.between: unknown datacenter {dc!r}")
+            if link.between[0] == link.between[1]:
+                raise ValueError(f"topology.links.{i}.between: a link joins two different datacenters")
+        for name, dc in topo.datacenters.items():
+            if dc.decode is not None and name != topo.local_datacenter:
+                raise ValueError(
+                    f"topology.datacenters.{name}.decode: decode runs near users, in the local "
+                    f"datacenter ({topo.local_datacenter!r}) only"
+                )
+            if dc.decode is not None and dc.decode.kv_port is None:
+                raise ValueError(f"topology.datacenters.{name}.decode.kv_port: required (an integer port)")
+            if name != topo.local_datacenter and dc.prefill is not None and self._link(name) is None:
+                raise ValueError(
+                    f"topology.datacenters.{name}: no entry in topology.links joins it to "
+                    f"{topo.local_datacenter!r}"
+                )
+        if not self.decode_instances():
+            raise ValueError("topology: no decode instance (topology.datacenters.<local>.decode)")
+        if svc.mode == "prefill_decode_disaggregated" and not self.prefill_instances():
+            raise ValueError("topology: mode prefill_decode_disaggregated needs at least one prefill instance")
+        ports: dict[tuple[str, int], str] = {}
+        for inst in self.instances():
+            for port, what in ((inst.port, "port"), (inst.kv_port, "kv_port")):
+                if port is None:
+                    continue
+                key = (inst.host, port)
+                if key in ports:
+                    raise ValueError(f"topology: {inst.name}.{what} {port} is already used by {ports[key]}")
+                ports[key] = f"{inst.name}.{what}"
+        return self
+
+    # ----------------------------------------------------------------------- derived topology
+
+    def _link(self, dc: str) -> LinkConfig | None:
+        local = self.topology.local_datacenter
+        for link in self.topology.links:
+            if set(link.between) == {dc, local}:
+                return link
+        return None
+
+    def link_to_local(self, dc: str) -> LinkConfig | None:
+        """The link between datacenter `dc` and the local one (None for the local DC itself)."""
+        return None if dc == self.topology.local_datacenter else self._link(dc)
+
+    def instances(self) -> list[Instance]:
+        """Every process of the deployment, gateway and scheduler first."""
+        topo = self.topology
+        out = [
+            Instance("gateway", "gateway", topo.local_datacenter, topo.gateway.host, topo.gateway.port),
+            Instance("scheduler", "scheduler", topo.local_datacenter, topo.scheduler.host, topo.scheduler.port),
+        ]
+        for dc_name, dc in topo.datacenters.items():
+            for role, placement, default in (
+                ("prefill", dc.prefill, self.inference_service.prefill_pool.replicas),
+                ("decode", dc.decode, self.inference_service.decode_pool.replicas),
+            ):
+                if placement is None:
+                    continue
+                count = default if placement.replicas is None else placement.replicas
+                for i in range(count):
+                    kv_port = None if placement.kv_port is None else placement.kv_port + i
+                    out.append(Instance(f"{dc_name}-{role}-{i}", role, dc_name, dc.host, placement.port + i, kv_port))
+        return out
+
+    def instance(self, name: str) -> Instance:
+        for inst in self.instances():
+            if inst.name == name:
+                return inst
+        raise ConfigError(f"no instance named {name!r}; known: {[i.name for i in self.instances()]}")
+
+    def prefill_instances(self) -> list[Instance]:
+        return [i for i in self.instances() if i.role == "prefill"]
+
+    def decode_instances(self) -> list[Instance]:
+        return [i for i in self.instances() if i.role == "decode"]
+
+    def crossings(self) -> list[Crossing]:
+        """Every endpoint that traffic reaches across an emulated link, with its emulator ports.
+
+        Two kinds cross: decode's KV port as seen from a remote prefill (the data plane) and a
+        remote prefill's HTTP port as seen from the local DC (the control plane), so both the
+        KV bytes and the prefill request pay the WAN's latency and bandwidth.
+        """
+        out: list[Crossing] = []
+        for link_index, link in enumerate(self.topology.links):
+            if not link.emulate:
+                continue
+            k = 0
+            remote_dcs = [dc for dc in link.between if dc != self.topology.local_datacenter]
+            for remote_dc in remote_dcs:
+                has_remote_prefill = any(p.datacenter == remote_dc for p in self.prefill_instances())
+                if not has_remote_prefill:
+                    continue
+                for dec in self.decode_instances():
+                    assert dec.kv_port is not None
+                    out.append(Crossing(link_index, remote_dc, dec.name, "kv", dec.host, dec.kv_port,
+                                        "127.0.0.1", link.emulator_port_base + k, link.emulator_port_base + 100 + k))
+                    k += 1
+                for pre in self.prefill_instances():
+                    if pre.datacenter != remote_dc:
+                        continue
+                    out.append(Crossing(link_index, remote_dc, pre.name, "http", pre.host, pre.port,
+                                        "127.0.0.1", link.emulator_port_base + k, link.emulator_port_base + 100 + k))
+                    k += 1
+        return out
+
+    def kv_address(self, decode: str, from_dc: str) -> tuple[str, int]:
+        """Where a prefill in `from_dc` sends KV for decode instance `decode`."""
+        for c in self.crossings():
+            if c.kind == "kv" and c.target == decode and c.remote_dc == from_dc:
+                return c.listen_host, c.listen_port
+        inst = self.instance(decode)
+        assert inst.kv_port is not None
+        return inst.host, inst.kv_port
+
+    def http_url(self, name: str) -> str:
+        """The URL the local DC uses to reach instance `name` (through the emulator if remote)."""
+        for c in self.crossings():
+            if c.kind == "http" and c.target == name:
+                return f"http://{c.listen_host}:{c.listen_port}"
+        inst = self.instance(name)
+        return f"http://{inst.host}:{inst.port}"
+
+    def resources(self, role: Role) -> ResourceClassConfig:
+        svc = self.inference_service
+        if role == "prefill":
+            return self.resource_classes[svc.prefill_pool.resource_class]
+        if role == "decode":
+            return self.resource_classes[svc.decode_pool.resource_class]
+        return ResourceClassConfig(torch_threads=1, kv_memory_mb=1)
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    role: Role
+    datacenter: str
+    host: str
+    port: int
+    kv_port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One endpoint reached across an emulated WAN link: emulator listen -> target host:port."""
+
+    link_index: int
+    remote_dc: str
+    target: str  # instance name
+    kind: Literal["kv", "http"]
+    target_host: str
+    target_port: int
+    listen_host: str
+    listen_port: int
+    control_port: int
+
+
+# --------------------------------------------------------------------------- loading and errors
+
+_TYPE_WORDS = {
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "a boolean (true/false)",
+    "bool_parsing": "a boolean (true/false)",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "list_type": "a list",
+    "tuple_type": "a list of two items",
+}
+
+
+def _format_error(err: Any) -> str:
+    path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    kind = err["type"]
+    given = err.get("input")
+    if kind == "extra_forbidden":
+        return f"{path}: unknown key (check its spelling; docs/CONFIG.md lists every key)"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    if kind in _TYPE_WORDS:
+        return f"{path}: expected {_TYPE_WORDS[kind]}, got {given!r}"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return f"{path}: expected one of {expected}, got {given!r}"
+    if kind == "value_error":
+        return str(err.get("ctx", {}).get("error", err["msg"]))
+    return f"{path}: {err['msg']}, got {given!r}"
+
+
+def parse_config(data: Any, source: str = "<config>") -> CrossfillConfig:
+    """Validate a parsed YAML document; raise ConfigError listing every problem by key path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping with keys inference_service, topology, ...")
+    try:
+        return CrossfillConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_format_error(e) for e in exc.errors()]
+        raise ConfigError(f"{source}: invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path) -> CrossfillConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read the configuration file: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    return parse_config(data, str(p))
