@@ -1,0 +1,104 @@
+"""The transfer backend interface: how prefill ships KV and decode receives it, whatever the path.
+
+Every backend (built-in TCP, store-and-pull, Mooncake Transfer Engine) implements the same two
+halves so workers never care which one carries a transfer:
+
+* sending:   `async with backend.open(manifest) as tx: await tx.send(chunk) ...; stats = await tx.commit()`
+  `send` is called as each layer's KV appears, so transfer overlaps prefill; the backend keeps
+  (pins) the chunks it was given until the receiver acknowledges the commit.
+* receiving: `receiver.expect(Expectation(...))` before the KV can arrive (decode has reserved its
+  blocks), then `await receiver.wait(cache_id)`, which returns the verified manifest once the
+  commit is acknowledged or raises TransferError with a Reason; on error the consumer discards.
+
+Leaving the `open()` block without `commit()` aborts the transfer on both sides.
+"""
+
+from __future__ import annotations
+
+import abc
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict, dataclass
+
+from crossfill.engine.types import LayerKVChunk
+from crossfill.kv.assembler import Expectation
+from crossfill.kv.wire import Manifest
+
+
+@dataclass
+class TransferStats:
+    """What one completed transfer cost."""
+
+    cache_id: str
+    frames: int
+    raw_bytes: int  # K and V in their original dtype, after window pruning
+    wire_bytes: int  # encoded payload bytes (excluding framing)
+    retransmits: int
+    reconnects: int
+    duration_s: float  # open() to commit acknowledged
+    commit_wait_s: float  # last send() returned to commit acknowledged: the tail pipelining hides the rest of
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.raw_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    @property
+    def goodput_bytes_per_s(self) -> float:
+        return self.wire_bytes / self.duration_s if self.duration_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+class OutgoingTransfer(abc.ABC):
+    """One transfer in progress on the sending side."""
+
+    @abc.abstractmethod
+    async def send(self, chunk: LayerKVChunk) -> None:
+        """Queue one layer's KV for [chunk.start, chunk.end); returns once it is encoded and queued.
+
+        Tokens outside the manifest's range for that layer (pruned window, skipped prefix) are
+        dropped here; chunks of one layer must arrive in token order.
+        """
+
+    @abc.abstractmethod
+    async def commit(self) -> TransferStats:
+        """Wait until every frame is acknowledged, then the commit; raises TransferError on failure."""
+
+    @abc.abstractmethod
+    async def abort(self, reason: str) -> None:
+        """Give up: tell the receiver (best effort) and release the pinned KV."""
+
+
+class TransferBackend(abc.ABC):
+    """Sending half of a backend: one per destination (endpoint, store, engine)."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def open(self, manifest: Manifest) -> AbstractAsyncContextManager[OutgoingTransfer]:
+        """Start a transfer described by `manifest`."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
+        """Release connections or clients held between transfers."""
+
+
+class ReceiveBackend(abc.ABC):
+    """Receiving half of a backend, used by the decode worker."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def expect(self, expectation: Expectation) -> None:
+        """Register a transfer decode is ready for; frames for unregistered cache ids are refused."""
+
+    @abc.abstractmethod
+    async def wait(self, cache_id: str) -> Manifest:
+        """Return the manifest once the commit verified; raise TransferError (discard the KV) otherwise."""
+
+    @abc.abstractmethod
+    def cancel(self, cache_id: str, reason: str = "cancelled by decode") -> None:
+        """Stop expecting a transfer (request aborted); later frames for it are refused."""
+
+    @abc.abstractmethod
+    def counters(self) -> dict[str, int]:
+        """Accepted / refused counts by reason, for metrics and troubleshooting."""
