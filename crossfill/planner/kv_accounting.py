@@ -19,8 +19,11 @@ default for third-party models (``sliding_keep="window"``). The difference is on
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
+
+import numpy as np
 
 from crossfill.planner.dtypes import KV_DTYPES, KVDtype
 
@@ -106,6 +109,24 @@ class ModelKV:
                 num_tokens, dtype, state_dtype, self.sliding_keep
             )
         return out
+
+    def kv_function(self, dtype: KVDtype, state_dtype: KVDtype = KV_DTYPES["bf16"]) -> Callable[[np.ndarray], np.ndarray]:
+        """Vectorised `request_bytes` over an array of lengths (the optimiser integrates it)."""
+        growing = self.growing_bytes_per_token(dtype)
+        state = sum(layer.state_bytes(state_dtype) for layer in self.layers)
+        capped: Counter[tuple[int, int]] = Counter()
+        for layer in self.layers:
+            if layer.kind == "sliding":
+                capped[(layer.kept_tokens(1 << 62, self.sliding_keep), layer.token_bytes(dtype))] += 1
+
+        def kv(lengths: np.ndarray) -> np.ndarray:
+            n = np.round(np.asarray(lengths, dtype=float))
+            out = n * growing + np.where(n > 0, state, 0)
+            for (cap, token_bytes), count in capped.items():
+                out = out + np.minimum(n, cap) * token_bytes * count
+            return out
+
+        return kv
 
     def dense_equivalent(self) -> ModelKV:
         """The same model with every layer turned into its global-attention kind.
