@@ -1,0 +1,143 @@
+"""HTTP control endpoint of the link emulator (FastAPI served by uvicorn in the emulator's loop).
+
+    GET  /link    settings, armed faults and byte counters
+    POST /link    change any of {"bandwidth", "latency", "jitter", "loss"} (same units as the CLI;
+                  numbers: bandwidth in bits/s, latency/jitter in ms, loss as a fraction;
+                  "bandwidth": null removes the limit)
+    POST /faults  arm {"cut_after_bytes": N}, {"corrupt_bytes": K}, {"stall_ms": T}, optionally with
+                  "direction": "up" (client -> upstream, the default) or "down"
+    DELETE /faults  disarm everything
+
+A bad body is answered 400 with {"error": ..., "field": <the offending field>}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING, Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, model_validator
+
+from crossfill.net.units import UnitError, parse_bandwidth, parse_duration, parse_loss
+
+if TYPE_CHECKING:
+    from crossfill.net.linkemu import LinkEmulator
+
+Value = StrictStr | StrictInt | StrictFloat
+
+
+class LinkUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bandwidth: Value | None = None
+    latency: Value | None = None
+    jitter: Value | None = None
+    loss: Value | None = None
+
+
+class FaultRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    cut_after_bytes: StrictInt | None = Field(default=None, ge=0)
+    corrupt_bytes: StrictInt | None = Field(default=None, ge=0)
+    stall_ms: StrictInt | StrictFloat | None = Field(default=None, ge=0)
+    direction: Literal["up", "down"] = "up"
+
+    @model_validator(mode="after")
+    def _one_fault(self) -> FaultRequest:
+        if self.cut_after_bytes is None and self.corrupt_bytes is None and self.stall_ms is None:
+            raise ValueError("arm at least one of cut_after_bytes, corrupt_bytes, stall_ms")
+        return self
+
+
+_PARSERS = {
+    "bandwidth": parse_bandwidth,
+    "latency": parse_duration,
+    "jitter": parse_duration,
+    "loss": parse_loss,
+}
+
+
+def _bad(field: str | None, error: str) -> JSONResponse:
+    return JSONResponse(status_code=400, content={"error": error, "field": field})
+
+
+def build_app(emu: LinkEmulator) -> FastAPI:
+    app = FastAPI(title="crossfill link emulator", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = loc[0] if loc else None
+        if err.get("type") == "json_invalid":
+            return _bad(None, "the body is not valid JSON")
+        return _bad(field, f"{field or 'body'}: {err.get('msg')}")
+
+    @app.get("/link")
+    async def get_link() -> dict[str, Any]:
+        return emu.status()
+
+    @app.post("/link")
+    async def post_link(body: LinkUpdate) -> Any:
+        changes = body.model_dump(exclude_unset=True)
+        if not changes:
+            return _bad(None, "give at least one of bandwidth, latency, jitter, loss")
+        for name, value in changes.items():  # validate every field before changing any
+            if value is None and name != "bandwidth":
+                return _bad(name, f"{name} cannot be null")
+            try:
+                if value is not None:
+                    _PARSERS[name](value)
+            except UnitError as exc:
+                return _bad(name, str(exc))
+        emu.update(**changes)
+        return emu.status()
+
+    @app.post("/faults")
+    async def post_faults(body: FaultRequest) -> dict[str, Any]:
+        emu.arm(
+            cut_after_bytes=body.cut_after_bytes,
+            corrupt_bytes=body.corrupt_bytes,
+            stall_ms=body.stall_ms,
+            direction=body.direction,
+        )
+        return emu.status()
+
+    @app.delete("/faults")
+    async def delete_faults() -> dict[str, Any]:
+        emu.disarm()
+        return emu.status()
+
+    return app
+
+
+class ControlServer:
+    """Runs the control app on (host, port) inside the running event loop; `port` is the bound one."""
+
+    def __init__(self, emu: LinkEmulator, host: str, port: int) -> None:
+        self._sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(build_app(emu), log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # surfaces the startup error
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self._sock.close()
