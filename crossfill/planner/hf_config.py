@@ -164,8 +164,9 @@ def model_from_hf_config(
     is_mla = cfg.get("kv_lora_rank") is not None
     window = None
     if "sliding" in kinds:
-        key = "sliding_window" if cfg.get("sliding_window") is not None else "sliding_window_size"
-        window = _int(cfg, key)
+        if cfg.get("sliding_window") is None and cfg.get("sliding_window_size") is None:
+            raise PlanError("config.json: sliding layers but missing 'sliding_window'; expected the window in tokens")
+        window = _int(cfg, "sliding_window" if cfg.get("sliding_window") is not None else "sliding_window_size")
     full_geo = None if is_mla else (_gqa_geometry(cfg) if "full" in kinds else None)
     swa_geo = _gqa_geometry(cfg, "swa_") if "sliding" in kinds else None
     latent = _int(cfg, "kv_lora_rank") + _int(cfg, "qk_rope_head_dim") if is_mla else 0
