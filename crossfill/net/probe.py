@@ -1,0 +1,112 @@
+"""Active RTT probing of a link: a tiny echo endpoint and a periodic prober feeding a LinkMonitor.
+
+Transfers alone leave an idle link unmeasured, and the scheduler must know a link is bad *before*
+it sends a long prompt's KV over it. The prober keeps one TCP connection to an echo endpoint on the
+far side and times a small request/response every `interval_s` ("echo" mode). "connect" mode times
+a fresh TCP handshake instead, which needs no echo endpoint but sees only what the network stack
+does (a user-space proxy such as the link emulator answers the handshake itself).
+
+Failures (refused, reset, no answer within `timeout_s`) are reported to the monitor, which marks the
+link down after a few in a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Literal
+
+from crossfill.net.link_monitor import LinkMonitor
+
+log = logging.getLogger(__name__)
+
+_PROBE = b"crossfill-probe\n"
+
+
+async def _echo_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(4096):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+async def start_echo_server(host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
+    """Serve the far end of echo probes; the bound port is `server.sockets[0].getsockname()[1]`."""
+    return await asyncio.start_server(_echo_handler, host, port)
+
+
+class LinkProber:
+    """Measures RTT to (host, port) every `interval_s` and records it in `monitor`."""
+
+    def __init__(
+        self,
+        monitor: LinkMonitor,
+        host: str,
+        port: int,
+        interval_s: float = 1.0,
+        timeout_s: float = 2.0,
+        mode: Literal["echo", "connect"] = "echo",
+    ) -> None:
+        if mode not in ("echo", "connect"):
+            raise ValueError(f"mode must be 'echo' or 'connect', got {mode!r}")
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError(f"interval_s and timeout_s must be > 0, got {interval_s}, {timeout_s}")
+        self.monitor = monitor
+        self.host, self.port = host, port
+        self.interval_s, self.timeout_s, self.mode = interval_s, timeout_s, mode
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def probe_once(self) -> float | None:
+        """One measurement; returns the RTT in seconds (recorded) or None after a recorded failure."""
+        try:
+            rtt = await asyncio.wait_for(self._measure(), self.timeout_s)
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            log.debug("probe of %s:%d failed: %r", self.host, self.port, exc)
+            self._drop_connection()
+            self.monitor.record_failure()
+            return None
+        self.monitor.record_rtt(rtt)
+        return rtt
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._drop_connection()
+
+    async def _loop(self) -> None:
+        while True:
+            await self.probe_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def _measure(self) -> float:
+        if self.mode == "connect":
+            t0 = time.perf_counter()
+            _, writer = await asyncio.open_connection(self.host, self.port)
+            rtt = time.perf_counter() - t0
+            writer.close()
+            return rtt
+        if self._conn is None:
+            self._conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._conn
+        t0 = time.perf_counter()
+        writer.write(_PROBE)
+        await writer.drain()
+        await reader.readexactly(len(_PROBE))
+        return time.perf_counter() - t0
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn[1].transport.abort()
+            self._conn = None
