@@ -70,9 +70,12 @@ class PrefillProfile:
             raise PlanError(f"{field}: expected a mapping with 'tps' or 'lengths' and 'seconds'")
         if "tps" in data:
             try:
-                return cls.from_tps(float(data["tps"]), source=f"{field}.tps")
+                tps = float(data["tps"])
             except (TypeError, ValueError) as exc:
                 raise PlanError(f"{field}.tps: expected a number of tokens/s") from exc
+            if not tps > 0:
+                raise PlanError(f"{field}.tps: {tps:g} must be > 0 tokens/s")
+            return cls.from_tps(tps, source=f"{field}.tps {tps:g} tok/s")
         if "lengths" not in data or "seconds" not in data:
             raise PlanError(f"{field}: expected 'lengths' and 'seconds' lists (or 'tps')")
         lengths = _number_list(data["lengths"], f"{field}.lengths")
