@@ -238,12 +238,16 @@ def compute_fingerprint(directory: Path) -> str:
         config.pop(key, None)
     digest = hashlib.sha256(b"crossfill-model-fingerprint-v1\n")
     digest.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    for file in weight_files(directory):
-        with _open_safetensors(file) as handle:
-            for key in sorted(handle.keys()):
-                tensor = handle.get_tensor(key).contiguous()
-                digest.update(f"\n{key}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-                digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    handles = {file: _open_safetensors(file) for file in weight_files(directory)}
+    try:
+        where = {key: file for file, handle in handles.items() for key in handle.keys()}
+        for key in sorted(where):  # one global order, whatever the sharding
+            tensor = handles[where[key]].get_tensor(key).contiguous()
+            digest.update(f"\n{key}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+            digest.update(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
     return digest.hexdigest()
 
 
