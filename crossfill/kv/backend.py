@@ -4,8 +4,9 @@ Every backend (built-in TCP, store-and-pull, Mooncake Transfer Engine) implement
 halves so workers never care which one carries a transfer:
 
 * sending:   `async with backend.open(manifest) as tx: await tx.send(chunk) ...; stats = await tx.commit()`
-  `send` is called as each layer's KV appears, so transfer overlaps prefill; the backend keeps
-  (pins) the chunks it was given until the receiver acknowledges the commit.
+  `send` is called as each layer's KV appears, so transfer overlaps prefill; it copies (encodes) the
+  chunk before returning, so prefill may reuse that memory at once, and the backend keeps (pins)
+  the encoded frames until the receiver acknowledges the commit, so any of them can be resent.
 * receiving: `receiver.expect(Expectation(...))` before the KV can arrive (decode has reserved its
   blocks), then `await receiver.wait(cache_id)`, which returns the verified manifest once the
   commit is acknowledged or raises TransferError with a Reason; on error the consumer discards.

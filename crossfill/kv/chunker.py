@@ -86,6 +86,9 @@ class FrameCutter:
             buf.frame_start = frame_end
             if frame_end == e.end:
                 break
+        # Keep private copies of a partial frame: once send() returns, prefill may reuse the memory.
+        buf.k = [t.clone() for t in buf.k]
+        buf.v = [t.clone() for t in buf.v]
         return out
 
     def incomplete(self) -> list[str]:

@@ -6,8 +6,9 @@ stream it came on, in order, so the sender matches answers to frames by position
 header cannot misdirect an answer).  Refused frames are queued again up to `max_retry` times;
 when a stream breaks or stalls for `timeout_ms` its unanswered frames are queued again and the
 stream reconnects (resending the manifest first), also bounded by `max_retry`.  Bytes written but
-not answered are bounded by `max_inflight_bytes`.  Encoded frames (and the chunks they came from)
-stay pinned until the receiver acknowledges the commit.
+not answered are bounded by `max_inflight_bytes`.  `send()` encodes (copies) the chunk before it
+returns, so prefill may reuse that memory at once; the encoded frames stay pinned until the
+receiver acknowledges the commit, so any frame can be sent again until then.
 
 Receiver: one server for all transfers; each stream starts with the manifest, which binds it to an
 expected cache id.  Streams are read sequentially, so a slow sink throttles its stream through
@@ -342,7 +343,6 @@ class _TcpTransfer(OutgoingTransfer):
         self.m = manifest
         self.cutter = FrameCutter(manifest)
         self.frames: dict[int, Frame] = {}
-        self.pinned: list[LayerKVChunk] = []
         self.queue: collections.deque[int] = collections.deque()
         self.acked: set[int] = set()
         self.retries: collections.Counter[int] = collections.Counter()
@@ -392,7 +392,6 @@ class _TcpTransfer(OutgoingTransfer):
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         self.frames.clear()  # unpin: the receiver has acknowledged (or the transfer is over)
-        self.pinned.clear()
 
     async def abort(self, reason: str) -> None:
         if self.closing:
@@ -410,7 +409,6 @@ class _TcpTransfer(OutgoingTransfer):
         if self.committed or self.closing:
             raise RuntimeError("send() after commit() or abort()")
         pieces = self.cutter.cut(chunk)
-        self.pinned.append(chunk)
         for piece in pieces:
             if piece.k.numel() * piece.k.element_size() * 2 >= _THREAD_ENCODE_BYTES:
                 frame = await asyncio.to_thread(encode_piece, self.m, piece)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 from dataclasses import dataclass
@@ -114,3 +115,60 @@ def make_tls_files(d: Path) -> TLSFiles:
     write("rogue.key", _key_pem(rkey))
     return TLSFiles(out["ca.pem"], out["server.pem"], out["server.key"], out["client.pem"], out["client.key"],
                     out["rogue.pem"], out["rogue.key"])
+
+
+class FlipProxy:
+    """Loopback TCP proxy that flips one bit at byte `flip_at` of the first client->server stream.
+
+    Deterministic corruption of a chosen byte (e.g. inside a frame's payload), which a shaping
+    emulator that corrupts "the next bytes" cannot aim at.
+    """
+
+    def __init__(self, upstream_port: int, flip_at: int) -> None:
+        self.upstream_port = upstream_port
+        self.flip_at = flip_at
+        self.flipped = False
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._first = True
+
+    async def __aenter__(self) -> FlipProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None
+        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        flip = self._first
+        self._first = False
+        for coro in (self._pump(reader, up_writer, flip), self._pump(up_reader, writer, False)):
+            t = asyncio.create_task(coro)
+            self._tasks.add(t)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, flip: bool) -> None:
+        offset = 0
+        try:
+            while data := await reader.read(65536):
+                if flip and not self.flipped and offset <= self.flip_at < offset + len(data):
+                    buf = bytearray(data)
+                    buf[self.flip_at - offset] ^= 0x01
+                    data = bytes(buf)
+                    self.flipped = True
+                offset += len(data)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
