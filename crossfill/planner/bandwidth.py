@@ -84,6 +84,27 @@ def workload_case(
     )
 
 
+def workload_alternatives(
+    model: ModelKV,
+    dtype: KVDtype,
+    state_dtype: KVDtype,
+    workload: Workload,
+    prefill: PrefillProfile,
+    instances: int,
+    link_gbps: float | None,
+) -> list[LinkCase]:
+    """`alternatives` for a pool busy with the whole workload."""
+    out = [
+        workload_case(model, alt, state_dtype, workload, prefill, instances, link_gbps, label=f"{model.name} as {alt.name}")
+        for alt in (KV_DTYPES["fp8"], KV_DTYPES["int4"])
+        if alt.bits < dtype.bits
+    ]
+    if model.is_hybrid:
+        dense = model.dense_equivalent()
+        out.append(workload_case(dense, dtype, state_dtype, workload, prefill, instances, link_gbps, label=dense.name))
+    return out
+
+
 def alternatives(
     model: ModelKV,
     dtype: KVDtype,

@@ -7,6 +7,8 @@ prefilled by local prefill instances; every request then decodes locally. With p
 * remote path, requests/s:  min(N_remote / E[T_remote(L) | L > t],  link_bytes_per_s / E[KV(L) | L > t])
 * local prefill, requests/s: N_prefill / E[T_local(L) | L <= t]
 * decode, requests/s:        N_decode x B / (TPOT(B) x output_len), B the largest batch meeting the SLO
+                             (and, when the decode profile gives its KV capacity, holding B requests'
+                             mean KV at prompt + output length)
 
 The cluster sustains Lambda = min(remote / p, local_prefill / (1 - p), decode) requests/s (a stage
 serving only a share of requests is divided by that share). `optimize` searches t over the
@@ -45,6 +47,18 @@ class ClusterSetup:
             raise PlanError(f"pools.local.instances: {self.local_instances} must be >= 1 (decode runs locally)")
         if not self.link_gbps >= 0:
             raise PlanError(f"link.gbps: {self.link_gbps} must be >= 0")
+
+    @property
+    def decode_kv_bytes(self) -> float:
+        """Mean KV a decoding request holds at its end (prompt + output tokens)."""
+        out = self.decode.output_len
+        return self.workload.expect(lambda lengths: self.kv_bytes(np.asarray(lengths) + out))
+
+    def decode_batch(self) -> int:
+        return self.decode.max_batch(self.decode_kv_bytes)
+
+    def decode_rps_per_instance(self) -> float:
+        return self.decode.requests_per_second(self.decode_kv_bytes)
 
 
 @dataclass(frozen=True)
@@ -104,7 +118,7 @@ def _path_stats(setup: ClusterSetup, t: float) -> _PathStats:
 
 def _evaluate(setup: ClusterSetup, s: _PathStats, n_prefill: int) -> Evaluation:
     n_decode = setup.local_instances - n_prefill
-    decode = n_decode * setup.decode.requests_per_second()
+    decode = n_decode * setup.decode_rps_per_instance()
     local = n_prefill / s.local_seconds if s.local_seconds > 0 else (math.inf if n_prefill > 0 else 0.0)
     q = 1.0 - s.p
     limits = {"decode": decode}

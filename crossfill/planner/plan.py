@@ -99,7 +99,8 @@ def build_plan(req: PlanRequest) -> dict[str, Any]:
             cases.append(report.link_entry(case, alts, link_gbps))
         if workload is not None:
             case = bandwidth.workload_case(model, dtype, state_dtype, workload, prefill, instances, link_gbps)
-            cases.append(report.link_entry(case, [], link_gbps))
+            alts = bandwidth.workload_alternatives(model, dtype, state_dtype, workload, prefill, instances, link_gbps)
+            cases.append(report.link_entry(case, alts, link_gbps))
         warnings = []
         if not prefill.covers(max(contexts)):
             warnings.append(

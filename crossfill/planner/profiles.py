@@ -91,7 +91,8 @@ class PrefillProfile:
             kv = _number_list(data["kv_bytes"], f"{field}.kv_bytes")
             if len(kv) != len(lengths):
                 raise PlanError(f"{field}.kv_bytes: {len(kv)} entries, expected {len(lengths)} (one per length)")
-        return cls(lengths, seconds, kv, source=str(data.get("source", field)))
+        default_source = f"{field} profile ({len(lengths)} points, {lengths[0]:.0f}-{lengths[-1]:.0f} tokens)"
+        return cls(lengths, seconds, kv, source=str(data.get("source", default_source)))
 
     def seconds_at(self, lengths: np.ndarray | float) -> np.ndarray:
         x = np.asarray(lengths, dtype=float)
@@ -122,6 +123,7 @@ class DecodeProfile:
     tpot_s: np.ndarray
     slo_s: float
     output_len: float
+    kv_capacity_bytes: float | None = None  # KV memory of one decode instance, if it bounds the batch
 
     @classmethod
     def from_mapping(cls, data: Any, field: str = "decode") -> DecodeProfile:
@@ -146,15 +148,24 @@ class DecodeProfile:
             raise PlanError(f"{field}.slo_ms: {slo * 1000:g} must be > 0 ms")
         if out_len <= 0:
             raise PlanError(f"{field}.output_len: {out_len:g} must be > 0 tokens")
-        profile = cls(batch, tpot, slo, out_len)
+        capacity = None
+        if data.get("kv_capacity_gb") is not None:
+            try:
+                capacity = float(data["kv_capacity_gb"]) * 1e9
+            except (TypeError, ValueError) as exc:
+                raise PlanError(f"{field}.kv_capacity_gb: expected a number of GB") from exc
+            if capacity <= 0:
+                raise PlanError(f"{field}.kv_capacity_gb: {capacity / 1e9:g} must be > 0 GB")
+        profile = cls(batch, tpot, slo, out_len, capacity)
         profile.max_batch()  # an impossible SLO is an input error, found now
         return profile
 
     def tpot_at(self, batch: np.ndarray | float) -> np.ndarray:
         return np.interp(np.asarray(batch, dtype=float), self.batch, self.tpot_s)
 
-    def max_batch(self) -> int:
-        """Largest batch (up to the profile's largest) whose step time meets the SLO."""
+    def max_batch(self, kv_bytes_per_request: float = 0.0) -> int:
+        """Largest batch (up to the profile's largest) whose step time meets the SLO and whose KV
+        (`kv_bytes_per_request` each, prompt plus output) fits the instance's KV capacity."""
         if self.tpot_at(self.batch[0]) > self.slo_s:
             raise PlanError(
                 f"decode.slo_ms: {self.slo_s * 1000:g} ms is below the fastest step of the decode profile "
@@ -162,11 +173,20 @@ class DecodeProfile:
             )
         candidates = np.arange(int(self.batch[0]), int(self.batch[-1]) + 1)
         ok = candidates[self.tpot_at(candidates) <= self.slo_s + 1e-12]
-        return int(ok[-1])
+        batch = int(ok[-1])
+        if self.kv_capacity_bytes is not None and kv_bytes_per_request > 0:
+            fits = int(self.kv_capacity_bytes // kv_bytes_per_request)
+            if fits < 1:
+                raise PlanError(
+                    f"decode.kv_capacity_gb: {self.kv_capacity_bytes / 1e9:g} GB cannot hold one mean request's KV "
+                    f"({kv_bytes_per_request / 1e9:.3g} GB); expected more KV memory per decode instance"
+                )
+            batch = min(batch, fits)
+        return batch
 
-    def requests_per_second(self) -> float:
-        """Requests one decode instance finishes per second at the SLO-bound batch."""
-        b = self.max_batch()
+    def requests_per_second(self, kv_bytes_per_request: float = 0.0) -> float:
+        """Requests one decode instance finishes per second at its largest allowed batch."""
+        b = self.max_batch(kv_bytes_per_request)
         return float(b / (float(self.tpot_at(b)) * self.output_len))
 
 

@@ -86,8 +86,9 @@ def optimum_summary(setup: ClusterSetup, best: Evaluation, baseline: Evaluation)
         "link_gbps": setup.link_gbps,
         "remote_instances": setup.remote_instances,
         "local_instances": setup.local_instances,
-        "decode_requests_per_s_per_instance": setup.decode.requests_per_second(),
-        "decode_batch_at_slo": setup.decode.max_batch(),
+        "decode_requests_per_s_per_instance": setup.decode_rps_per_instance(),
+        "decode_batch_at_slo": setup.decode_batch(),
+        "decode_kv_bytes_per_request": setup.decode_kv_bytes,
         "best": best.as_dict(),
         "local_only": baseline.as_dict(),
         "gain_over_local_only": None if math.isinf(gain) else gain,
@@ -148,7 +149,7 @@ def render_text(result: dict[str, Any]) -> str:
         )
         lines.append(
             f"  pools: {b['remote_instances']} remote prefill, {b['local_prefill_instances']} local prefill, "
-            f"{b['decode_instances']} decode (decode batch {opt['decode_batch_at_slo']} at the SLO, "
+            f"{b['decode_instances']} decode (decode batch {opt['decode_batch_at_slo']} within SLO and KV memory, "
             f"{opt['decode_requests_per_s_per_instance']:.3g} req/s per instance)"
         )
         lines.append(

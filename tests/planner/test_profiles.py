@@ -44,3 +44,14 @@ def test_decode_batch_is_the_largest_meeting_the_slo() -> None:
 def test_impossible_slo_names_the_field() -> None:
     with pytest.raises(PlanError, match="decode.slo_ms: 5 ms is below the fastest step"):
         DecodeProfile.from_mapping({"batch": [1, 8], "tpot_ms": [12, 20], "slo_ms": 5, "output_len": 100})
+
+
+def test_kv_capacity_caps_the_decode_batch() -> None:
+    d = DecodeProfile.from_mapping(
+        {"batch": [1, 101], "tpot_ms": [10, 60], "slo_ms": 30, "output_len": 100, "kv_capacity_gb": 10}
+    )
+    assert d.max_batch() == 41  # without a request size only the SLO binds
+    assert d.max_batch(kv_bytes_per_request=1e9) == 10
+    assert d.requests_per_second(1e9) == pytest.approx(10 / (0.0145 * 100))
+    with pytest.raises(PlanError, match="decode.kv_capacity_gb: 10 GB cannot hold one mean request"):
+        d.max_batch(kv_bytes_per_request=20e9)
