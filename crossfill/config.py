@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Role = Literal["gateway", "scheduler", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("gateway", "scheduler", "prefill", "decode")
-CompressionMode = Literal["hybrid_attention", "lossless", "fp16", "bf16", "fp8", "int8"]
+# hybrid_attention: prune sliding layers to their window, then apply `codec`; codec: `codec` only.
+CompressionMode = Literal["hybrid_attention", "codec", "none"]
 
 
 class ConfigError(ValueError):
@@ -59,6 +60,18 @@ class KVCacheConfig(_Strict):
     checksum_enabled: bool = True
     timeout_ms: int = Field(8000, ge=1)
     max_retry: int = Field(2, ge=0)
+    # Not in the seed block: the codec stages (crossfill.kv.codecs), e.g. "lz4", "fp8+zstd", "none".
+    codec: str = "lz4"
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, v: str) -> str:
+        import re
+
+        stages = ("none", "zstd", "lz4", "bf16", "fp16", "fp8", "fp8-channel", "fp8-token", "int8")
+        if not v or any(part.strip() not in stages for part in re.split(r"\+", v.lower())):
+            raise ValueError(f"inference_service.kv_cache.codec: expected stages from {stages} joined by '+', got {v!r}")
+        return v
 
 
 class NetworkConfig(_Strict):
@@ -92,6 +105,8 @@ class ModelConfig(_Strict):
     # Name the OpenAI API reports and accepts in `model` (defaults to `name`).
     served_name: str | None = None
     max_num_seqs: int = Field(32, ge=1)
+    # Longest prompt + completion in tokens; None: the model's max_position_embeddings.
+    max_model_len: int | None = Field(None, ge=2)
 
     @property
     def api_name(self) -> str:

@@ -1,0 +1,431 @@
+"""The gateway: OpenAI-compatible API and the seed's native /v1/generate, in front of the cluster.
+
+Per request: validate the body (400 naming the field), tokenize (chat template for chat), check
+the context limit, ask the scheduler for a route, hand the job to the chosen decode instance and
+relay its event stream as OpenAI JSON or SSE. Every response carries the route report: the
+`crossfill` object in the body (and the final stream chunk) and the `x-crossfill-route` header.
+
+The gateway waits for decode's first event before answering, so refusals and failures before the
+first token (full queues, failed transfers with no fallback, prompts past the context) arrive as
+proper HTTP statuses with Retry-After where it applies; a failure after the first token ends the
+stream with an error chunk, never a silent hang. A client that disconnects closes the stream to
+decode, which aborts the request everywhere (decode and prefill free its KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from crossfill.config import CrossfillConfig
+from crossfill.serving.errors import APIError, install_error_handlers, parse_body
+from crossfill.serving.health import Readiness, add_health_routes
+from crossfill.serving.metrics import ServingMetrics, add_metrics_route
+from crossfill.serving.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+)
+from crossfill.serving.protocol import DecodeJob, RouteInfo, RouteMsg, SamplingMsg
+
+log = logging.getLogger("crossfill.gateway")
+
+
+class ModelFacts:
+    """Tokenizer and context limit of the served model (the gateway never loads the weights)."""
+
+    def __init__(self, cfg: CrossfillConfig) -> None:
+        from crossfill.models import load_config, load_tokenizer, resolve_model
+
+        files = resolve_model(cfg.model.name, pull=False)
+        self.tokenizer = load_tokenizer(files)
+        mcfg = load_config(files)
+        limit = int(getattr(mcfg, "max_position_embeddings", 0) or 2048)
+        self.max_model_len = min(cfg.model.max_model_len or limit, limit)
+        self.name = cfg.model.api_name
+
+    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - template errors are the caller's message structure
+            raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
+                           param="messages", code="invalid_messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def text_tokens(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+
+@dataclass
+class _Job:
+    kind: str  # chat | completion | generate
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: SamplingMsg
+    fields: SamplingFields
+    arrived: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Gateway:
+    def __init__(self, cfg: CrossfillConfig, facts: ModelFacts | None = None) -> None:
+        self.cfg = cfg
+        self.facts = facts
+        self.readiness = Readiness("gateway", "gateway")
+        self.metrics = ServingMetrics()
+        self.http: httpx.AsyncClient | None = None
+        self.scheduler_url = f"http://{cfg.topology.scheduler.host}:{cfg.topology.scheduler.port}"
+        self.tracing = cfg.inference_service.observability.tracing_enabled
+
+    async def start(self) -> None:
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.serving.request_timeout_s, connect=5.0),
+                                      trust_env=False, limits=httpx.Limits(max_connections=1000))
+        try:
+            if self.facts is None:
+                self.readiness.set_not_ready("loading tokenizer")
+                self.facts = await asyncio.to_thread(ModelFacts, self.cfg)
+        except Exception as exc:  # noqa: BLE001 - stay up, not ready, say why
+            log.exception("gateway cannot load the model's tokenizer")
+            self.readiness.set_not_ready(f"cannot load tokenizer: {exc}")
+            return
+        # Ready when the scheduler is: before that every request would be refused anyway.
+        while True:
+            try:
+                r = await self.http.get(self.scheduler_url + "/readyz", timeout=2.0)
+                if r.status_code == 200:
+                    self.readiness.set_ready()
+                else:
+                    self.readiness.set_not_ready(f"scheduler not ready: {r.json().get('reason')}")
+            except (httpx.HTTPError, ValueError) as exc:
+                self.readiness.set_not_ready(f"scheduler unreachable: {type(exc).__name__}")
+            await asyncio.sleep(0.5 if not self.readiness.ready else 2.0)
+
+    # -- request building -------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        assert self.facts is not None
+        if model is not None and model != self.facts.name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves '{self.facts.name}' "
+                           "(GET /v1/models)", param="model", code="model_not_found")
+
+    def _job(self, kind: str, request_id: str, model: str, tokens: list[int], fields: SamplingFields,
+             max_tokens: int | None) -> _Job:
+        assert self.facts is not None
+        limit = self.facts.max_model_len
+        if not tokens:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt", code="empty_prompt")
+        if len(tokens) >= limit:
+            raise APIError(400, f"the prompt has {len(tokens)} tokens; this model's context is {limit} tokens",
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = limit - len(tokens)
+        if len(tokens) + max_tokens > limit:
+            raise APIError(400, f"max_tokens {max_tokens} + prompt {len(tokens)} tokens exceeds the context of "
+                           f"{limit} tokens", param="max_tokens", code="context_length_exceeded")
+        sampling = SamplingMsg(max_tokens=max_tokens, **fields.sampling_kwargs())
+        return _Job(kind, request_id, model, tokens, sampling, fields)
+
+    # -- the cluster round trip ---------------------------------------------------------------------
+    async def submit(self, job: _Job) -> tuple[RouteInfo, AsyncIterator[dict[str, Any]], dict[str, Any]]:
+        """Route and start `job`; returns (initial route info, remaining events, the first event)."""
+        assert self.http is not None
+        if not self.readiness.ready:
+            raise APIError(503, f"the gateway is not ready: {self.readiness.reason}", code="not_ready",
+                           retry_after=self.cfg.serving.retry_after_s)
+        f = job.fields
+        trace_id = f.trace_id or (uuid.uuid4().hex if self.tracing else None)
+        query = {"request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids),
+                 "prefill_policy": f.prefill_policy, "tenant_id": f.tenant_id}
+        try:
+            r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=10.0)
+        except httpx.HTTPError as exc:
+            raise APIError(503, f"scheduler unreachable: {type(exc).__name__}", code="scheduler_unavailable",
+                           retry_after=self.cfg.serving.retry_after_s) from None
+        if r.status_code != 200:
+            raise APIError.from_body(r.status_code, _json(r), r.headers.get("retry-after"))
+        route = RouteMsg.model_validate(r.json())
+        dec = self.cfg.instance(route.decode)
+        djob = DecodeJob(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids, sampling=job.sampling,
+                         route=route, tenant_id=f.tenant_id, trace_id=trace_id,
+                         deadline_s=self.cfg.serving.request_timeout_s)
+        routed_ms = (time.perf_counter() - job.arrived) * 1000
+        stack = contextlib.AsyncExitStack()
+        try:
+            resp = await stack.enter_async_context(
+                self.http.stream("POST", dec.url + "/v1/decode", json=djob.model_dump()))
+        except httpx.HTTPError as exc:
+            await stack.aclose()
+            raise APIError(503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
+                           code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s) from None
+        if resp.status_code != 200:
+            body = _json_bytes(await resp.aread())
+            await stack.aclose()
+            raise APIError.from_body(resp.status_code, body, resp.headers.get("retry-after"))
+        lines = resp.aiter_lines()
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            try:
+                async for line in lines:
+                    if line:
+                        yield json.loads(line)
+            finally:
+                await stack.aclose()
+
+        it = events()
+        try:
+            first = await anext(it)
+        except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
+            await it.aclose()
+            raise APIError(502, f"decode instance {dec.name} ended the stream early: {exc!r}",
+                           code="decode_failed") from None
+        info = RouteInfo.from_dict(first.get("crossfill") or {"request_id": job.request_id})
+        info.timings_ms["queue"] = info.timings_ms.get("queue", 0.0) + routed_ms
+        if first.get("event") == "error":
+            await it.aclose()
+            raise APIError(int(first.get("status", 502)), str(first.get("message")), code=first.get("code"),
+                           param=first.get("param"), retry_after=first.get("retry_after"),
+                           extra={"crossfill": info.as_dict()})
+        return info, it, first
+
+    def finish_info(self, job: _Job, info: RouteInfo, final: dict[str, Any], t_first: float | None) -> RouteInfo:
+        done = RouteInfo.from_dict(final.get("crossfill") or info.as_dict())
+        done.timings_ms["queue"] = info.timings_ms.get("queue", 0.0)
+        now = time.perf_counter()
+        if t_first is not None:
+            done.timings_ms["first_token"] = (t_first - job.arrived) * 1000
+            self.metrics.ttft.labels(done.route).observe(t_first - job.arrived)
+        done.timings_ms["total"] = (now - job.arrived) * 1000
+        self.metrics.e2e.labels(done.route).observe(now - job.arrived)
+        self.metrics.requests.labels(done.route, "ok").inc()
+        if done.degradation_reason:
+            self.metrics.fallbacks.labels("degraded").inc()
+        self.log_request(done, final.get("finish_reason"))
+        return done
+
+    def log_request(self, info: RouteInfo, finish: str | None, error: str | None = None) -> None:
+        t = {k: round(v, 1) for k, v in info.timings_ms.items()}
+        line = (f"request {info.request_id} tenant={info.tenant_id} route={info.route} prefill={info.prefill_instance} "
+                f"decode={info.decode_instance} cache={info.cache_id} kv_raw={info.kv_raw_bytes} "
+                f"kv_wire={info.kv_wire_bytes} retries={info.retries} timings_ms={t} finish={finish}")
+        if self.tracing and info.trace_id:
+            line += f" trace={info.trace_id}"
+        if info.degradation_reason:
+            line += f" degraded=({info.degradation_reason})"
+        if error:
+            line += f" error=({error})"
+        (log.warning if info.degradation_reason or error else log.info)("%s", line)
+
+
+def _json(r: httpx.Response) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        return None
+
+
+def _json_bytes(b: bytes) -> Any:
+    try:
+        return json.loads(b)
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------- response formats
+
+
+def _choice_delta(kind: str, text: str, finish: str | None) -> dict[str, Any]:
+    if kind == "chat":
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+def _object(kind: str, stream: bool) -> str:
+    if kind == "chat":
+        return "chat.completion.chunk" if stream else "chat.completion"
+    return "text_completion"
+
+
+def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) -> FastAPI:
+    gw = Gateway(cfg, facts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(gw.start())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            if gw.http is not None:
+                await gw.http.aclose()
+
+    app = FastAPI(title="crossfill gateway", lifespan=lifespan)
+    install_error_handlers(app)
+    add_health_routes(app, gw.readiness)
+    add_metrics_route(app, gw.metrics, cfg.inference_service.observability.metrics_enabled)
+    app.state.gateway = gw
+
+    def need_facts() -> ModelFacts:
+        if gw.facts is None:
+            raise APIError(503, f"the gateway is not ready: {gw.readiness.reason}", code="not_ready",
+                           retry_after=cfg.serving.retry_after_s)
+        return gw.facts
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": cfg.model.api_name, "object": "model", "created": 0,
+                                            "owned_by": "crossfill"}]}
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> JSONResponse | StreamingResponse:
+        req = await parse_body(request, ChatCompletionRequest)
+        facts = need_facts()
+        gw._check_model(req.model)
+        job = gw._job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", req.model, facts.chat_tokens(req), req,
+                      req.token_limit())
+        return await respond(job, request)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> JSONResponse | StreamingResponse:
+        req = await parse_body(request, CompletionRequest)
+        facts = need_facts()
+        gw._check_model(req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo", code="unsupported")
+        tokens = list(req.prompt) if isinstance(req.prompt, list) else facts.text_tokens(req.prompt)
+        job = gw._job("completion", f"cmpl-{uuid.uuid4().hex[:24]}", req.model, tokens, req, req.max_tokens)
+        return await respond(job, request)
+
+    @app.post("/v1/generate", response_model=None)
+    async def generate(request: Request) -> JSONResponse | StreamingResponse:
+        req = await parse_body(request, GenerateRequest)
+        facts = need_facts()
+        gw._check_model(req.model)
+        rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
+        job = gw._job("generate", rid, req.model or facts.name, facts.text_tokens(req.prompt), req, req.max_tokens)
+        return await respond(job, request)
+
+    async def respond(job: _Job, request: Request) -> JSONResponse | StreamingResponse:
+        try:
+            info, events, first = await gw.submit(job)
+        except APIError as exc:
+            gw.metrics.errors.labels(exc.code or "error").inc()
+            ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id})
+            gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}")
+            raise
+        headers = {"x-crossfill-route": info.header(), "x-request-id": job.request_id}
+        if job.fields.stream:
+            return StreamingResponse(stream(job, info, events), media_type="text/event-stream", headers=headers)
+        return await collect(job, info, events, headers)
+
+    async def collect(job: _Job, info: RouteInfo, events: AsyncIterator[dict[str, Any]],
+                      headers: dict[str, str]) -> JSONResponse:
+        text: list[str] = []
+        token_ids: list[int] = []
+        t_first: float | None = None
+        try:
+            async for ev in events:
+                kind = ev.get("event")
+                if kind == "delta":
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    text.append(ev.get("text", ""))
+                    token_ids.extend(ev.get("token_ids", []))
+                elif kind == "done":
+                    done = gw.finish_info(job, info, ev, t_first)
+                    body = _final_body(job, "".join(text), token_ids, ev, done)
+                    return JSONResponse(body, headers={**headers, "x-crossfill-route": done.header()})
+                elif kind == "error":
+                    raise APIError(int(ev.get("status", 502)), str(ev.get("message")), code=ev.get("code"),
+                                   extra={"crossfill": ev.get("crossfill")})
+        except (httpx.HTTPError, ValueError) as exc:
+            raise APIError(502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed") from None
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+        raise APIError(502, "decode stream ended without a result", code="decode_failed")
+
+    async def stream(job: _Job, info: RouteInfo, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+        base = {"id": job.request_id, "object": _object(job.kind, True), "created": job.created, "model": job.model}
+        t_first: float | None = None
+        include_usage = bool(job.fields.stream_options and job.fields.stream_options.include_usage)
+        try:
+            if job.kind == "chat":
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield _sse({**base, "choices": [role]})
+            async for ev in events:
+                kind = ev.get("event")
+                if kind == "delta":
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    chunk = {**base, "choices": [_choice_delta(job.kind, ev.get("text", ""), None)]}
+                    if job.kind == "generate":
+                        chunk["token_ids"] = ev.get("token_ids", [])
+                    yield _sse(chunk)
+                elif kind == "done":
+                    done = gw.finish_info(job, info, ev, t_first)
+                    final = {**base, "choices": [_choice_delta(job.kind, "", ev.get("finish_reason"))],
+                             "crossfill": done.as_dict()}
+                    if include_usage or job.kind == "generate":
+                        final["usage"] = _usage(ev)
+                    yield _sse(final)
+                    yield b"data: [DONE]\n\n"
+                    return
+                elif kind == "error":
+                    yield _sse(APIError(int(ev.get("status", 502)), str(ev.get("message")), code=ev.get("code"),
+                                        extra={"crossfill": ev.get("crossfill")}).body())
+                    yield b"data: [DONE]\n\n"
+                    return
+            raise ValueError("decode stream ended without a result")
+        except (httpx.HTTPError, ValueError) as exc:
+            gw.metrics.errors.labels("decode_failed").inc()
+            err = APIError(502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed")
+            yield _sse(err.body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return app
+
+
+def _usage(ev: dict[str, Any]) -> dict[str, int]:
+    u = ev.get("usage", {})
+    p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _final_body(job: _Job, text: str, token_ids: list[int], ev: dict[str, Any], info: RouteInfo) -> dict[str, Any]:
+    finish = ev.get("finish_reason")
+    base: dict[str, Any] = {"id": job.request_id, "object": _object(job.kind, False), "created": job.created,
+                            "model": job.model, "usage": _usage(ev), "crossfill": info.as_dict()}
+    if job.kind == "chat":
+        base["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                            "finish_reason": finish}]
+    else:
+        base["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    if job.kind == "generate":
+        base["request_id"] = job.request_id
+        base["text"] = text
+        base["token_ids"] = token_ids
+        base["finish_reason"] = finish
+    return base
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

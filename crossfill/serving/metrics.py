@@ -1,0 +1,53 @@
+"""Prometheus metrics of the serving processes (M5.10), switched by observability.metrics_enabled.
+
+Each process owns one registry; `/metrics` serves it when metrics are enabled and answers 404
+otherwise, so turning the key off really removes the endpoint.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from crossfill.serving.errors import APIError
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("crossfill_requests", "Requests finished, by route and outcome",
+                                ["route", "outcome"], registry=r)
+        self.fallbacks = Counter("crossfill_fallbacks", "Requests served differently than first planned, by reason",
+                                 ["reason"], registry=r)
+        self.errors = Counter("crossfill_errors", "Requests ended with an error, by code", ["code"], registry=r)
+        self.retries = Counter("crossfill_kv_retries", "KV transfer attempts repeated", registry=r)
+        self.ttft = Histogram("crossfill_ttft_seconds", "Time to first token", ["route"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("crossfill_e2e_seconds", "End-to-end request latency", ["route"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("crossfill_prefill_seconds", "Prefill compute time", buckets=_LATENCY_BUCKETS,
+                                 registry=r)
+        self.transfer = Histogram("crossfill_kv_transfer_seconds", "KV transfer tail after prefill",
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_raw = Counter("crossfill_kv_raw_bytes", "KV bytes before the codec", registry=r)
+        self.kv_wire = Counter("crossfill_kv_wire_bytes", "KV bytes on the wire", registry=r)
+        self.queue = Gauge("crossfill_queue_depth", "Requests queued or running in this instance", registry=r)
+        self.tokens = Counter("crossfill_output_tokens", "Generated tokens", registry=r)
+
+
+def add_metrics_route(app: FastAPI, metrics: ServingMetrics, enabled: bool) -> None:
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if not enabled:
+            raise APIError(404, "metrics are disabled (inference_service.observability.metrics_enabled: false)",
+                           code="metrics_disabled")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,160 @@
+"""The prefill worker: runs prefill-only requests and ships each layer's KV to a decode instance.
+
+`POST /v1/prefill` answers with an NDJSON stream: `accepted`, `alive` heartbeats while the request
+waits or computes (so decode can tell a busy prefill from a dead one), then `done` (first token,
+stage timings, KV bytes) or `error`. The KV itself goes on the data plane (crossfill.kv) to the
+address decode gave, layer by layer as the engine computes it, so the transfer overlaps prefill.
+
+Backpressure (M5.5): at most `prefill_pool.max_queue_depth` requests are queued or running; the
+next one is refused with 429 and Retry-After at once instead of waiting in an unbounded queue.
+If decode hangs up (it gave up, or its client left), the request is aborted in the engine and
+the transfer is dropped, so nothing keeps computing or holding KV for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from crossfill.config import CrossfillConfig, Instance
+from crossfill.engine.sampling import SamplingParams
+from crossfill.engine.types import LayerKVChunk, PrefillOutput
+from crossfill.kv.tcp import KVSender
+from crossfill.serving.errors import APIError, parse_body
+from crossfill.serving.kvlink import build_manifest, make_sender
+from crossfill.serving.protocol import PrefillJob, ndjson
+from crossfill.serving.worker_common import WorkerBase, release_when_request_ends
+
+log = logging.getLogger("crossfill.prefill")
+HEARTBEAT_S = 0.25
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
+        super().__init__(cfg, inst, engine)
+        self.capacity = cfg.inference_service.prefill_pool.max_queue_depth
+        self.pending = 0
+        self._senders: dict[tuple[str, int], KVSender] = {}
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "queue_depth": self.pending, "capacity": self.capacity}
+
+    def _sender(self, host: str, port: int) -> KVSender:
+        key = (host, port)
+        if key not in self._senders:
+            self._senders[key] = make_sender(self.cfg, host, port)
+        return self._senders[key]
+
+    async def close(self) -> None:
+        for s in self._senders.values():
+            await s.close()
+
+    async def run(self, job: PrefillJob) -> AsyncIterator[bytes]:
+        """Admit or refuse `job`, then stream its progress events; cleans up if the caller leaves."""
+        arrived = time.perf_counter()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        task = asyncio.create_task(self._prefill(job, arrived, events))
+        finished = False
+        try:
+            yield ndjson({"event": "accepted", "instance": self.inst.name, "queue_depth": self.pending})
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), HEARTBEAT_S)
+                except TimeoutError:
+                    yield ndjson({"event": "alive"})
+                    continue
+                yield ndjson(ev)
+                if ev["event"] in ("done", "error"):
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                log.info("prefill %s: caller went away, aborting", job.request_id)
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def _prefill(self, job: PrefillJob, arrived: float, events: asyncio.Queue[dict[str, Any]]) -> None:
+        engine_id = job.cache_id  # unique per attempt, so a retry never collides with a stale one
+        t_first: float | None = None
+        out: PrefillOutput | None = None
+        try:
+            params = SamplingParams(**job.sampling.model_dump())
+            manifest = build_manifest(self.cfg, cache_id=job.cache_id, request_id=job.request_id,
+                                      tenant=job.tenant_id or "", fingerprint=self.engine.fingerprint,
+                                      token_ids=job.prompt_token_ids, layer_specs=self.engine.layer_specs)
+            layers = max(len(self.engine.layer_specs), 1)
+            async with self._sender(job.kv_host, job.kv_port).open(manifest) as tx:
+                async for item in self.engine.prefill(engine_id, job.prompt_token_ids, params,
+                                                      namespace=job.tenant_id or ""):
+                    if isinstance(item, LayerKVChunk):
+                        if t_first is None:
+                            t_first = time.perf_counter()
+                        await tx.send(item)
+                    else:
+                        out = item
+                t_done = time.perf_counter()
+                stats = await tx.commit()
+            t_commit = time.perf_counter()
+            assert out is not None, "engine prefill ended without a PrefillOutput"
+            # The first chunk appears after layer 0 of the first prompt chunk: estimate that layer's
+            # time from the rest so queue and prefill split at the real compute start.
+            first = t_first if t_first is not None else t_done
+            per_layer = (t_done - first) / max(layers - 1, 1)
+            start = max(arrived, first - per_layer)
+            timings = {"queue": (start - arrived) * 1000, "prefill": (t_done - start) * 1000,
+                       "commit_wait": (t_commit - t_done) * 1000}
+            self.metrics.prefill.observe(t_done - start)
+            log.info("prefill %s cache=%s tokens=%d cached=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s",
+                     job.request_id, job.cache_id, len(job.prompt_token_ids), out.num_cached_tokens,
+                     timings["prefill"], stats.raw_bytes, stats.wire_bytes, job.decode_instance)
+            await events.put({"event": "done", "first_token_id": out.first_token_id, "timings_ms": timings,
+                              "num_cached_tokens": out.num_cached_tokens, "kv": stats.as_dict()})
+        except asyncio.CancelledError:
+            await self._abort_engine(engine_id)
+            raise
+        except ValueError as exc:
+            await events.put({"event": "error", "status": 400, "code": "invalid_request", "message": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - reported to decode, which retries or falls back
+            log.warning("prefill %s cache=%s failed: %s: %s", job.request_id, job.cache_id, type(exc).__name__, exc)
+            await self._abort_engine(engine_id)
+            await events.put({"event": "error", "status": 502, "code": "prefill_failed",
+                              "message": f"prefill on {self.inst.name} failed: {type(exc).__name__}: {exc}"})
+
+    async def _abort_engine(self, engine_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self.engine.abort(engine_id))
+
+
+def create_prefill_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> FastAPI:
+    worker = PrefillWorker(cfg, inst, engine)
+    app = worker.make_app("crossfill prefill")
+
+    @app.post("/v1/prefill")
+    async def prefill(request: Request) -> StreamingResponse:
+        job = await parse_body(request, PrefillJob)
+        worker.require_ready()
+        if worker.pending >= worker.capacity:
+            worker.metrics.errors.labels("prefill_queue_full").inc()
+            raise APIError(429, f"prefill instance {inst.name} queue is full (max_queue_depth {worker.capacity})",
+                           code="prefill_queue_full", retry_after=cfg.serving.retry_after_s)
+        worker.pending += 1
+        worker.metrics.queue.set(worker.pending)
+
+        def release() -> None:
+            worker.pending -= 1
+            worker.metrics.queue.set(worker.pending)
+
+        release_when_request_ends(release)
+        return StreamingResponse(worker.run(job), media_type="application/x-ndjson")
+
+    return app

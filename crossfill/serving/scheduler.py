@@ -1,0 +1,234 @@
+"""The scheduler service: health-checks every worker, watches the links, and routes requests.
+
+It keeps a live picture of the cluster (per-instance health, readiness and queue depth from
+`GET /v1/admin/stats`, per-link latency from those same probes, which cross the emulated WAN for
+remote instances, and bandwidth from the transfers decode reports) and answers `POST /v1/route`
+by running the pure policy `crossfill.policy.decide` over a snapshot of it. An instance that
+fails `serving.health_check_failures` probes in a row stops receiving traffic; it gets traffic
+again as soon as a probe succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+
+from crossfill.config import CrossfillConfig, Instance
+from crossfill.policy import InstanceState, LinkState, NoRoute, RouteRequest, Snapshot, decide
+from crossfill.serving.errors import APIError, install_error_handlers, parse_body
+from crossfill.serving.health import Readiness, add_health_routes
+from crossfill.serving.metrics import ServingMetrics, add_metrics_route
+from crossfill.serving.protocol import RouteMsg, RouteQuery, _Msg
+
+log = logging.getLogger("crossfill.scheduler")
+
+_EWMA = 0.3  # weight of the newest sample in latency/bandwidth estimates
+_MIN_BW_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency, not bandwidth
+
+
+@dataclass
+class _Tracked:
+    inst: Instance
+    healthy: bool = False
+    ready: bool = False
+    failures: int = 0
+    queue_depth: int = 0
+    capacity: int = 1
+    routed_since_probe: int = 0  # requests sent its way since the last probe saw its queue
+    last_error: str | None = None
+    last_ok: float = 0.0
+    kv: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Link:
+    datacenter: str
+    configured_gbps: float
+    latency_ms: float | None = None
+    bandwidth_gbps: float | None = None
+    up: bool = True
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+
+
+class TransferReport(_Msg):
+    from_datacenter: str
+    wire_bytes: int
+    seconds: float
+    ok: bool
+
+
+class ClusterState:
+    """What the scheduler knows; every field is updated by probes or reports, read by snapshot()."""
+
+    def __init__(self, cfg: CrossfillConfig) -> None:
+        self.cfg = cfg
+        self.local = cfg.topology.local_datacenter
+        self.workers = {i.name: _Tracked(i) for i in cfg.instances() if i.role in ("prefill", "decode")}
+        self.links: dict[str, _Link] = {}
+        for dc in cfg.topology.datacenters:
+            link = cfg.link_to_local(dc)
+            if link is not None:
+                self.links[dc] = _Link(dc, link.bandwidth_gbps)
+        self.rounds = 0
+
+    async def probe(self, client: httpx.AsyncClient, t: _Tracked) -> None:
+        url = self.cfg.http_url(t.inst.name) + "/v1/admin/stats"
+        t0 = time.perf_counter()
+        try:
+            resp = await client.get(url)
+            rtt_ms = (time.perf_counter() - t0) * 1000
+            body = resp.json()
+            if resp.status_code != 200 or not isinstance(body, dict):
+                raise RuntimeError(f"HTTP {resp.status_code}")
+        except Exception as exc:  # noqa: BLE001 - any failure is a failed health check
+            t.failures += 1
+            t.last_error = f"{type(exc).__name__}: {exc}"
+            if t.healthy and t.failures >= self.cfg.serving.health_check_failures:
+                t.healthy = False
+                log.warning("instance %s removed from routing after %d failed health checks (%s)",
+                            t.inst.name, t.failures, t.last_error)
+            return
+        if not t.healthy:
+            log.info("instance %s healthy, routing to it", t.inst.name)
+        t.healthy, t.failures, t.last_error, t.last_ok = True, 0, None, time.time()
+        t.ready = bool(body.get("ready"))
+        t.queue_depth = int(body.get("queue_depth", 0))
+        t.capacity = int(body.get("capacity", 1))
+        t.kv = dict(body.get("kv", {}))
+        t.routed_since_probe = 0
+        link = self.links.get(t.inst.datacenter)
+        if link is not None:
+            one_way = rtt_ms / 2
+            link.latency_ms = one_way if link.latency_ms is None else (1 - _EWMA) * link.latency_ms + _EWMA * one_way
+
+    async def probe_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.probe(client, t) for t in self.workers.values()))
+        for dc, link in self.links.items():
+            remote = [t for t in self.workers.values() if t.inst.datacenter == dc]
+            # The link is down when nothing behind it answers (instances themselves may just be busy).
+            link.up = not remote or any(t.healthy for t in remote)
+        self.rounds += 1
+
+    def report_transfer(self, r: TransferReport) -> None:
+        link = self.links.get(r.from_datacenter)
+        if link is None:
+            return
+        if not r.ok:
+            link.transfers_failed += 1
+            return
+        link.transfers_ok += 1
+        if r.wire_bytes >= _MIN_BW_SAMPLE_BYTES and r.seconds > 0:
+            # Subtract one one-way latency: the first byte's flight is not bandwidth.
+            flight = (link.latency_ms or 0) / 1000
+            gbps = r.wire_bytes * 8 / max(r.seconds - flight, 1e-4) / 1e9
+            link.bandwidth_gbps = gbps if link.bandwidth_gbps is None else (1 - _EWMA) * link.bandwidth_gbps + _EWMA * gbps
+
+    def snapshot(self) -> Snapshot:
+        states = []
+        for t in self.workers.values():
+            states.append(InstanceState(
+                name=t.inst.name, role=t.inst.role, datacenter=t.inst.datacenter,  # type: ignore[arg-type]
+                healthy=t.healthy, ready=t.ready, queue_depth=t.queue_depth + t.routed_since_probe,
+                capacity=t.capacity))
+        links = tuple(LinkState(dc, bandwidth_gbps=lk.bandwidth_gbps, latency_ms=lk.latency_ms, up=lk.up)
+                      for dc, lk in self.links.items())
+        return Snapshot(self.local, tuple(states), links)
+
+    def note_routed(self, name: str) -> None:
+        t = self.workers.get(name)
+        if t is not None:
+            t.routed_since_probe += 1
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "local_datacenter": self.local,
+            "probe_rounds": self.rounds,
+            "instances": {
+                n: {"role": t.inst.role, "datacenter": t.inst.datacenter, "healthy": t.healthy, "ready": t.ready,
+                    "queue_depth": t.queue_depth, "capacity": t.capacity, "failures": t.failures,
+                    "last_error": t.last_error, "kv": t.kv}
+                for n, t in self.workers.items()
+            },
+            "links": {
+                dc: {"up": lk.up, "latency_ms": lk.latency_ms, "bandwidth_gbps": lk.bandwidth_gbps,
+                     "configured_bandwidth_gbps": lk.configured_gbps, "transfers_ok": lk.transfers_ok,
+                     "transfers_failed": lk.transfers_failed}
+                for dc, lk in self.links.items()
+            },
+        }
+
+
+def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
+    state = ClusterState(cfg)
+    readiness = Readiness("scheduler", "scheduler")
+    metrics = ServingMetrics()
+    interval = cfg.serving.health_check_interval_ms / 1000
+
+    async def poll_forever() -> None:
+        timeout = httpx.Timeout(max(interval * 2, 1.0))
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+            while True:
+                await state.probe_all(client)
+                snap = state.snapshot()
+                decode_ok = any(s.available for s in snap.instances if s.role == "decode")
+                if decode_ok:
+                    readiness.set_ready()
+                else:
+                    readiness.set_not_ready("no decode instance is healthy and ready")
+                await asyncio.sleep(interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(poll_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app = FastAPI(title="crossfill scheduler", lifespan=lifespan)
+    install_error_handlers(app)
+    add_health_routes(app, readiness)
+    add_metrics_route(app, metrics, cfg.inference_service.observability.metrics_enabled)
+
+    @app.post("/v1/route")
+    async def route(request: Request) -> dict[str, object]:
+        q = await parse_body(request, RouteQuery)
+        try:
+            r = decide(RouteRequest(q.prompt_tokens, q.prefill_policy, q.tenant_id),  # type: ignore[arg-type]
+                       state.snapshot(), cfg.inference_service)
+        except NoRoute as exc:
+            retry = cfg.serving.retry_after_s if exc.status in (429, 503) else None
+            metrics.errors.labels(exc.code).inc()
+            raise APIError(exc.status, exc.message, code=exc.code, retry_after=retry,
+                           param="prefill_policy" if exc.status == 400 else None) from None
+        state.note_routed(r.prefill)
+        state.note_routed(r.decode)
+        if r.degradation_reason:
+            metrics.fallbacks.labels("routing").inc()
+            log.warning("request %s degraded at routing: %s", q.request_id, r.degradation_reason)
+        log.info("route %s: %s prefill=%s decode=%s (%s)", q.request_id, r.kind, r.prefill, r.decode, r.reason)
+        msg = RouteMsg(kind=r.kind, prefill=r.prefill, decode=r.decode, fallbacks=list(r.fallbacks),
+                       degradation_reason=r.degradation_reason, reason=r.reason)
+        return msg.model_dump()
+
+    @app.post("/v1/report/transfer")
+    async def report(request: Request) -> dict[str, bool]:
+        state.report_transfer(await parse_body(request, TransferReport))
+        return {"ok": True}
+
+    @app.get("/v1/admin/cluster")
+    async def cluster() -> dict[str, object]:
+        return state.as_dict()
+
+    app.state.cluster = state
+    return app

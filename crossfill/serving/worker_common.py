@@ -1,0 +1,129 @@
+"""What prefill and decode workers share: engine start-up, readiness, admin and health routes.
+
+The HTTP server starts before the model is loaded, so `/healthz` answers at once while `/readyz`
+stays 503 ("loading model", then "warming up") until the engine has run its warm-up pass when
+`prefill_pool.warmup_before_serving` asks for it; the scheduler routes only to ready instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+
+from crossfill.config import CrossfillConfig, Instance
+from crossfill.serving.errors import APIError, install_error_handlers
+from crossfill.serving.health import Readiness, add_health_routes
+from crossfill.serving.metrics import ServingMetrics, add_metrics_route
+
+log = logging.getLogger("crossfill.worker")
+
+
+def release_when_request_ends(release: Callable[[], None]) -> None:
+    """Run `release` once when the current request's task ends, however it ends.
+
+    A streaming response whose client vanished before the body started never runs the body's
+    `finally`; the request task always ends, so counters tied to it can never leak.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    task.add_done_callback(lambda _t: release())
+
+
+class WorkerBase:
+    role = "worker"
+
+    def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
+        self.cfg = cfg
+        self.inst = inst
+        self.engine = engine
+        self.readiness = Readiness(self.role, inst.name)
+        self.metrics = ServingMetrics()
+        self._owns_engine = engine is None
+
+    # -- engine lifecycle ---------------------------------------------------------------------
+    def _load_engine(self) -> Any:
+        from crossfill.engine.async_engine import AsyncEngine
+
+        res = self.cfg.resources(self.inst.role)
+        torch.set_num_threads(res.torch_threads)
+        kwargs: dict[str, Any] = {"num_threads": res.torch_threads}
+        if self.cfg.model.max_model_len is not None:
+            kwargs["max_model_len"] = self.cfg.model.max_model_len
+        max_seqs = self.cfg.model.max_num_seqs
+        if self.inst.role == "decode":
+            max_seqs = max(max_seqs, self.cfg.inference_service.decode_pool.max_concurrent_requests)
+        return AsyncEngine.from_model(self.cfg.model.name, kv_memory_mb=res.kv_memory_mb,
+                                      max_num_seqs=max_seqs, **kwargs)
+
+    async def start(self) -> None:
+        try:
+            if self.engine is None:
+                self.readiness.set_not_ready("loading model")
+                self.engine = await asyncio.to_thread(self._load_engine)
+            if self.cfg.inference_service.prefill_pool.warmup_before_serving:
+                self.readiness.set_not_ready("warming up")
+                await self.engine.warmup()
+            await self.on_started()
+            self.readiness.set_ready()
+            log.info("%s %s ready on %s", self.role, self.inst.name, self.inst.url)
+        except Exception as exc:  # noqa: BLE001 - stays alive but not ready, with the reason shown
+            log.exception("%s %s failed to start", self.role, self.inst.name)
+            self.readiness.set_not_ready(f"start-up failed: {type(exc).__name__}: {exc}")
+
+    async def on_started(self) -> None:
+        """Hook for role-specific start-up once the engine exists (decode opens its KV port)."""
+
+    async def close(self) -> None:
+        """Hook for role-specific shutdown."""
+
+    def require_ready(self) -> None:
+        if not self.readiness.ready:
+            raise APIError(503, f"{self.role} instance {self.inst.name} is not ready: {self.readiness.reason}",
+                           code="not_ready", retry_after=self.cfg.serving.retry_after_s)
+
+    def kv_stats(self) -> dict[str, int]:
+        if self.engine is None:
+            return {}
+        return self.engine.kv_stats().as_dict()
+
+    def stats(self) -> dict[str, Any]:
+        return {"instance": self.inst.name, "role": self.role, "datacenter": self.inst.datacenter,
+                "ready": self.readiness.ready, "reason": self.readiness.reason, "kv": self.kv_stats()}
+
+    def make_app(self, title: str) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            task = asyncio.create_task(self.start())
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                await self.close()
+                if self._owns_engine and self.engine is not None:
+                    self.engine.shutdown()
+
+        app = FastAPI(title=title, lifespan=lifespan)
+        install_error_handlers(app)
+        add_health_routes(app, self.readiness)
+        add_metrics_route(app, self.metrics, self.cfg.inference_service.observability.metrics_enabled)
+
+        @app.get("/v1/admin/kv")
+        async def admin_kv() -> dict[str, Any]:
+            if self.engine is None:
+                raise APIError(503, "the engine is not loaded yet", code="not_ready")
+            return {"instance": self.inst.name, **self.kv_stats()}
+
+        @app.get("/v1/admin/stats")
+        async def admin_stats() -> dict[str, Any]:
+            return self.stats()
+
+        app.state.worker = self
+        return app
