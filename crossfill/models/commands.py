@@ -36,9 +36,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Download, verify and dequantise a model into $CROSSFILL_HOME (default ~/.cache/crossfill)."""
         from crossfill.models import ModelError, resolve_model
+        from crossfill.models.files import verify_model
 
         try:
             files = resolve_model(name, force=force)
+            if not force:  # it may have been cached long ago: check it is still intact
+                verify_model(files)
         except ModelError as exc:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(1) from None

@@ -8,12 +8,13 @@ local directory of wheels instead of the index (air-gapped machines, CI caches).
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
@@ -44,8 +45,16 @@ def download_wheels(requirements: list[str], dest: Path) -> dict[str, Path]:
         cmd += ["--no-index", "--find-links", wheelhouse]
     cmd += requirements
     say(f"Downloading {', '.join(requirements)} with pip" + (f" from {wheelhouse}" if wheelhouse else ""))
-    # pip's own progress bars go to our stderr; its output is kept for the error message.
-    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    # pip's own progress bars go straight to our stderr when it is a real file; its error output
+    # is kept for the message. (Under a captured stderr, e.g. a test runner, pip's output is relayed.)
+    try:
+        sys.stderr.fileno()
+        stdout: Any = sys.stderr
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        stdout = subprocess.PIPE
+    proc = subprocess.run(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True)
+    if stdout is subprocess.PIPE and proc.stdout:
+        print(proc.stdout, end="", file=sys.stderr)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
         raise ModelDownloadError(

@@ -113,11 +113,32 @@ def _resolve_registry(entry: RegistryEntry, *, pull: bool, force: bool) -> Model
     return ModelFiles(entry.name, directory, fingerprint)
 
 
+# Files every cache entry holds; an entry missing one (deleted by hand) is rebuilt.
+CACHE_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json")
+
+
 def _cached(name: str, directory: Path) -> ModelFiles | None:
     manifest = cache.read_manifest(directory)
     if manifest is None or not isinstance(manifest.get("fingerprint"), str):
         return None
+    if not all((directory / f).is_file() for f in CACHE_FILES):
+        return None
     return ModelFiles(name, directory, manifest["fingerprint"])
+
+
+def verify_model(files: ModelFiles) -> None:
+    """Re-hash config and weights and compare with the fingerprint recorded at pull time.
+
+    Costs one read of the weights (about a second for these models), so it runs on explicit
+    request (`crossfill models pull NAME` of a cached model), not on every start.
+    """
+    got = compute_fingerprint(files.path)
+    if got != files.fingerprint:
+        raise ModelCorruptError(
+            f"the files in {files.path} changed since they were written (fingerprint {got[:16]}, expected "
+            f"{files.fingerprint[:16]}); run `crossfill models pull {files.name} --force` to rebuild them."
+        )
 
 
 def _resolve_gguf(name: str, path: Path, *, pull: bool, force: bool) -> ModelFiles:

@@ -176,3 +176,32 @@ def test_download_failure_says_what_to_check(home: Path, tiny_entry: RegistryEnt
     monkeypatch.setenv("CROSSFILL_WHEELHOUSE", str(empty))
     with pytest.raises(ModelDownloadError, match="CROSSFILL_WHEELHOUSE"):
         resolve_model("tiny-test")
+
+
+def test_pull_of_a_cached_model_detects_tampered_weights(home: Path, tiny_entry: RegistryEntry) -> None:
+    from typer.testing import CliRunner
+
+    from crossfill.cli import app
+
+    files = resolve_model("tiny-test")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["models", "pull", "tiny-test"])
+    assert ok.exit_code == 0 and files.fingerprint[:16] in ok.output
+    state = load_state_dict(files)
+    state["model.norm.weight"] = state["model.norm.weight"] + 1.0
+    from safetensors.torch import save_file
+
+    save_file(state, str(files.path / "model.safetensors"), metadata={"format": "pt"})
+    bad = runner.invoke(app, ["models", "pull", "tiny-test"])
+    assert bad.exit_code == 1
+    assert "changed since they were written" in bad.output and "pull tiny-test --force" in bad.output
+    fixed = runner.invoke(app, ["models", "pull", "tiny-test", "--force"])
+    assert fixed.exit_code == 0, fixed.output
+    assert runner.invoke(app, ["models", "pull", "tiny-test"]).exit_code == 0
+
+
+def test_cache_entry_missing_a_file_is_rebuilt(home: Path, tiny_entry: RegistryEntry) -> None:
+    files = resolve_model("tiny-test")
+    (files.path / "tokenizer.json").unlink()
+    again = resolve_model("tiny-test")
+    assert (again.path / "tokenizer.json").is_file() and again.fingerprint == files.fingerprint
