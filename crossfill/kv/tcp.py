@@ -32,17 +32,20 @@ from crossfill.kv.backend import OutgoingTransfer, ReceiveBackend, TransferBacke
 from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
 from crossfill.kv.errors import Reason, TransferError, WireError
 from crossfill.kv.wire import (
-    COMMIT_BODY,
     MAX_MANIFEST_BYTES,
     Frame,
     Manifest,
     MsgType,
     answer,
+    commit_body,
     commit_digest,
+    manifest_body,
     max_frame_body,
     message,
     parse_answer,
+    parse_commit_body,
     parse_frame,
+    parse_manifest_body,
     read_message,
 )
 
@@ -175,6 +178,16 @@ class KVReceiver(ReceiveBackend):
     def counters(self) -> dict[str, int]:
         return self._counters.as_dict()
 
+    def status(self, cache_id: str) -> str:
+        """'unknown', 'waiting' (no manifest yet), 'receiving', 'complete' or 'failed:<reason>'."""
+        a = self._lookup(cache_id)
+        if a is None:
+            return "unknown"
+        if a.done.done():
+            exc = a.done.exception()
+            return "complete" if exc is None else f"failed:{exc.reason.label}"  # type: ignore[attr-defined]
+        return "waiting" if a.manifest is None else "receiving"
+
     def transfer_bytes(self, cache_id: str) -> tuple[int, int]:
         """(raw, wire) payload bytes accepted so far for a current or recently finished transfer."""
         a = self._transfers.get(cache_id) or self._finished.get(cache_id)
@@ -239,7 +252,7 @@ class KVReceiver(ReceiveBackend):
 
     def _on_manifest(self, body: bytes) -> tuple[Assembly | None, bytes]:
         try:
-            m = Manifest.from_json(body)
+            m = parse_manifest_body(body)
         except WireError as exc:
             self._counters.refuse(exc.reason)
             return None, answer(MsgType.MANIFEST_ACK, exc.reason, text=exc.message)
@@ -272,10 +285,11 @@ class KVReceiver(ReceiveBackend):
         if bound is None:
             self._counters.refuse(Reason.UNKNOWN_CACHE_ID)
             return answer(MsgType.COMMIT_ACK, Reason.UNKNOWN_CACHE_ID, text="commit on a stream with no accepted manifest")
-        if len(body) != COMMIT_BODY.size:
-            self._counters.refuse(Reason.MALFORMED)
-            return answer(MsgType.COMMIT_ACK, Reason.MALFORMED, text="commit body has the wrong size")
-        count, digest = COMMIT_BODY.unpack(body)
+        try:
+            count, digest = parse_commit_body(body)
+        except WireError as exc:
+            self._counters.refuse(exc.reason)
+            return answer(MsgType.COMMIT_ACK, exc.reason, text=exc.message)
         try:
             missing = bound.accept_commit(count, digest)
         except WireError as exc:
@@ -429,7 +443,7 @@ class _TcpTransfer(OutgoingTransfer):
         if missing_layers:
             raise ChunkError("commit() before all KV was sent: " + "; ".join(missing_layers[:4]))
         digest = commit_digest([self.frames[s].checksum for s in range(self.m.frame_count)])
-        body = COMMIT_BODY.pack(self.m.frame_count, digest)
+        body = commit_body(self.m.frame_count, digest)
         attempts = 0
         while True:
             async with self.cond:
@@ -492,7 +506,7 @@ class _TcpTransfer(OutgoingTransfer):
                     self.s.timeout_s)
                 c.writer = writer
                 c.last_progress = time.monotonic()
-                writer.write(message(MsgType.MANIFEST, self.m.to_json()))
+                writer.write(message(MsgType.MANIFEST, manifest_body(self.m)))
                 c.pending.append(("manifest", -1, 0))
                 reader_task = asyncio.create_task(self._read_answers(c, reader))
                 writer_task = asyncio.create_task(self._write_frames(c, writer))

@@ -62,7 +62,10 @@ class MsgType(IntEnum):
 ENVELOPE = struct.Struct("!4sBBHII")
 # seq, layer, start, end, raw_len, payload_len, checksum, codec name length
 FRAME_HEADER = struct.Struct("!IIIIQIQB")
-COMMIT_BODY = struct.Struct("!I16s")
+# frame_count, digest, xxh3-64 of the preceding 20 bytes (a corrupted commit is resent, not fatal)
+COMMIT_BODY = struct.Struct("!I16sQ")
+# A MANIFEST body is xxh3-64 of the JSON, then the JSON.
+MANIFEST_CHECK = struct.Struct("!Q")
 # seq (frame answers) or 0, message length; then the message, then u32 missing seqs (commit answers)
 ANSWER_HEAD = struct.Struct("!IH")
 
@@ -386,6 +389,37 @@ def max_frame_body(manifest: Manifest) -> int:
 def commit_digest(checksums: Sequence[int]) -> bytes:
     """xxh3-128 over every frame checksum in seq order."""
     return xxhash.xxh3_128(struct.pack(f"!{len(checksums)}Q", *checksums)).digest()
+
+
+def commit_body(frame_count: int, digest: bytes) -> bytes:
+    head = struct.pack("!I16s", frame_count, digest)
+    return head + struct.pack("!Q", xxhash.xxh3_64_intdigest(head))
+
+
+def parse_commit_body(body: bytes) -> tuple[int, bytes]:
+    """(frame_count, digest) of a COMMIT body; WireError(MALFORMED/CHECKSUM) when it is damaged."""
+    if len(body) != COMMIT_BODY.size:
+        raise WireError(Reason.MALFORMED, f"commit body of {len(body)} bytes, expected {COMMIT_BODY.size}")
+    count, digest, check = COMMIT_BODY.unpack(body)
+    if xxhash.xxh3_64_intdigest(body[:-8]) != check:
+        raise WireError(Reason.CHECKSUM, "commit checksum mismatch (corrupted in transit)")
+    return count, digest
+
+
+def manifest_body(m: Manifest) -> bytes:
+    data = m.to_json()
+    return MANIFEST_CHECK.pack(xxhash.xxh3_64_intdigest(data)) + data
+
+
+def parse_manifest_body(body: bytes) -> Manifest:
+    """Verify the MANIFEST body's checksum, then parse and validate the JSON."""
+    if len(body) < MANIFEST_CHECK.size:
+        raise WireError(Reason.MALFORMED, "manifest body shorter than its checksum")
+    (check,) = MANIFEST_CHECK.unpack_from(body)
+    data = body[MANIFEST_CHECK.size:]
+    if xxhash.xxh3_64_intdigest(data) != check:
+        raise WireError(Reason.CHECKSUM, "manifest checksum mismatch (corrupted in transit)")
+    return Manifest.from_json(data)
 
 
 # --- envelopes and answers -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from crossfill.kv.codecs import parse_codec
 from crossfill.kv.errors import Reason, TransferError
 from crossfill.kv.tcp import KVReceiver, KVSender, parse_endpoint
 from crossfill.kv.tls import TLSConfigError, client_context, server_context
-from crossfill.kv.wire import MsgType, make_frame, message, token_digest
+from crossfill.kv.wire import MsgType, make_frame, manifest_body, message, token_digest
 from crossfill.net.linkemu import LinkEmulator
 
 from .helpers import (
@@ -211,7 +211,7 @@ async def test_sender_dying_mid_transfer_fails_the_receiver_within_its_deadline(
         payload = bytes(2 * (end - start) * entry.num_kv_heads * entry.head_dim * 4)
         frame = make_frame(0, entry.index, start, end, m.codec, len(payload), payload)
         with socket.create_connection(parse_endpoint(rx.endpoint)) as s:
-            s.sendall(message(MsgType.MANIFEST, m.to_json()) + frame.to_bytes())
+            s.sendall(message(MsgType.MANIFEST, manifest_body(m)) + frame.to_bytes())
             await asyncio.sleep(0.1)
         t0 = time.monotonic()
         with pytest.raises(TransferError) as info:
@@ -246,7 +246,7 @@ async def test_flipped_payload_byte_is_refused_retransmitted_and_final_kv_identi
     sink = Collector()
     async with KVReceiver() as rx:
         _expect(rx, m, sink)
-        flip_at = len(message(MsgType.MANIFEST, m.to_json())) + 200  # inside frame 0's payload
+        flip_at = len(message(MsgType.MANIFEST, manifest_body(m))) + 200  # inside frame 0's payload
         async with FlipProxy(rx.port, flip_at) as proxy:
             stats = await _send_all(KVSender(proxy.endpoint, connections=1), m, kv)
             assert proxy.flipped
