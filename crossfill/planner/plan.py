@@ -13,7 +13,7 @@ from crossfill.planner import bandwidth, cluster_file, report
 from crossfill.planner.calibrate import DEFAULT_LENGTHS, Measurement, calibrated_profile, measure_prefill
 from crossfill.planner.dtypes import kv_dtype
 from crossfill.planner.errors import PlanError
-from crossfill.planner.model_source import load_model
+from crossfill.planner.model_source import load_model, preset_data
 from crossfill.planner.optimizer import local_only, optimize
 from crossfill.planner.profiles import PrefillProfile, read_yaml
 from crossfill.planner.workload import Workload, parse_workload_spec
@@ -40,6 +40,14 @@ class PlanRequest:
     measure: Callable[[str, Sequence[int]], list[Measurement]] = field(default=measure_prefill, repr=False)
 
 
+def _engine_model_name(model: str) -> str:
+    """The name crossfill's model registry knows a preset by (``engine_model``), else `model` as given."""
+    try:
+        return str(preset_data(model).get("engine_model", model))
+    except PlanError:
+        return model  # a path or a name only the engine knows
+
+
 def _check_positive(value: float | None, field_name: str) -> None:
     if value is not None and not value > 0:
         raise PlanError(f"{field_name}: {value:g} must be > 0")
@@ -63,7 +71,7 @@ def build_plan(req: PlanRequest) -> dict[str, Any]:
     # Prefill profile: measured here > --prefill-tps > the profile file.
     override: PrefillProfile | None = None
     if req.calibrate:
-        override = calibrated_profile(req.model, req.calibrate_lengths, req.measure)
+        override = calibrated_profile(_engine_model_name(req.model), req.calibrate_lengths, req.measure)
         assert override.kv_bytes is not None
         result["calibration"] = {
             **override.as_dict(),

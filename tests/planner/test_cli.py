@@ -136,3 +136,30 @@ def test_calibration_feeds_the_plan(tmp_path: Path) -> None:
     case = result["link"]["cases"][0]
     assert case["prefill_seconds"] == pytest.approx(5.0)
     assert yaml.safe_load(saved.read_text())["prefill"]["lengths"] == [128, 512]
+
+
+def test_calibrate_uses_the_engine_registry_name() -> None:
+    seen: list[str] = []
+
+    def fake_measure(model: str, lengths: list[int]) -> list[tuple[int, float, int]]:
+        seen.append(model)
+        return [(n, n / 100.0, 0) for n in lengths]
+
+    build_plan(PlanRequest(model="gemma-3-270m", calibrate=True, calibrate_lengths=[64, 128], measure=fake_measure))
+    assert seen == ["gemma3-270m"]
+
+
+@pytest.mark.realmodel
+def test_real_calibration_matches_accounting() -> None:
+    cache = pytest.importorskip("crossfill.models.cache")
+    if not cache.is_cached("smollm2-135m"):
+        pytest.skip("smollm2-135m is not in the model cache (crossfill pull smollm2-135m)")
+    from crossfill.planner.calibrate import measure_prefill
+    from crossfill.planner.dtypes import KV_DTYPES
+    from crossfill.planner.model_source import load_model
+
+    rows = measure_prefill("smollm2-135m", [32, 64])
+    model = load_model("smollm2-135m")
+    for n, seconds, kv_bytes in rows:
+        assert seconds > 0
+        assert kv_bytes == model.request_bytes(n, KV_DTYPES["fp32"])
