@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--optimize", help="Search the offload threshold and local prefill/decode split.")
         ] = False,
         calibrate: Annotated[
-            bool, typer.Option(help="Measure prefill time and KV bytes with crossfill's engine on this machine.")
+            bool, typer.Option("--calibrate", help="Measure prefill time and KV bytes with crossfill's engine here.")
         ] = False,
         calibrate_lengths: Annotated[
             str, typer.Option(help="Comma-separated prompt lengths for --calibrate.")
