@@ -20,9 +20,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -41,6 +41,7 @@ from crossfill.serving.openai_schema import (
 from crossfill.serving.protocol import DecodeJob, RouteInfo, RouteMsg, SamplingMsg
 
 log = logging.getLogger("crossfill.gateway")
+T = TypeVar("T")
 
 
 class ModelFacts:
@@ -166,17 +167,27 @@ class Gateway:
         routed_ms = (time.perf_counter() - job.arrived) * 1000
         stack = contextlib.AsyncExitStack()
         try:
-            resp = await stack.enter_async_context(
-                self.http.stream("POST", dec.url + "/v1/decode", json=djob.model_dump()))
-        except httpx.HTTPError as exc:
+            try:
+                resp = await stack.enter_async_context(
+                    self.http.stream("POST", dec.url + "/v1/decode", json=djob.model_dump()))
+            except httpx.HTTPError as exc:
+                raise APIError(503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
+                               code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s) from None
+            if resp.status_code != 200:
+                body = _json_bytes(await resp.aread())
+                raise APIError.from_body(resp.status_code, body, resp.headers.get("retry-after"))
+            lines = resp.aiter_lines()
+            try:
+                while not (line := await anext(lines)):
+                    pass
+                first = json.loads(line)
+            except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
+                raise APIError(502, f"decode instance {dec.name} ended the stream early: {exc!r}",
+                               code="decode_failed") from None
+        except BaseException:
+            # Covers cancellation too (client gone): closing the stream makes decode abort everywhere.
             await stack.aclose()
-            raise APIError(503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
-                           code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s) from None
-        if resp.status_code != 200:
-            body = _json_bytes(await resp.aread())
-            await stack.aclose()
-            raise APIError.from_body(resp.status_code, body, resp.headers.get("retry-after"))
-        lines = resp.aiter_lines()
+            raise
 
         async def events() -> AsyncIterator[dict[str, Any]]:
             try:
@@ -187,12 +198,6 @@ class Gateway:
                 await stack.aclose()
 
         it = events()
-        try:
-            first = await anext(it)
-        except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
-            await it.aclose()
-            raise APIError(502, f"decode instance {dec.name} ended the stream early: {exc!r}",
-                           code="decode_failed") from None
         info = RouteInfo.from_dict(first.get("crossfill") or {"request_id": job.request_id})
         info.timings_ms["queue"] = info.timings_ms.get("queue", 0.0) + routed_ms
         if first.get("event") == "error":
@@ -281,6 +286,11 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
     add_metrics_route(app, gw.metrics, cfg.inference_service.observability.metrics_enabled)
     app.state.gateway = gw
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, __: ClientGone) -> JSONResponse:
+        # Nobody reads this; 499 (nginx's "client closed request") keeps access logs honest.
+        return APIError(499, "client closed the request", code="client_closed").response()
+
     def need_facts() -> ModelFacts:
         if gw.facts is None:
             raise APIError(503, f"the gateway is not ready: {gw.readiness.reason}", code="not_ready",
@@ -323,7 +333,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
 
     async def respond(job: _Job, request: Request) -> JSONResponse | StreamingResponse:
         try:
-            info, events, first = await gw.submit(job)
+            info, events, first = await until_disconnect(request, gw.submit(job))
         except APIError as exc:
             gw.metrics.errors.labels(exc.code or "error").inc()
             ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id})
@@ -332,7 +342,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         headers = {"x-crossfill-route": info.header(), "x-request-id": job.request_id}
         if job.fields.stream:
             return StreamingResponse(stream(job, info, events), media_type="text/event-stream", headers=headers)
-        return await collect(job, info, events, headers)
+        return await until_disconnect(request, collect(job, info, events, headers))
 
     async def collect(job: _Job, info: RouteInfo, events: AsyncIterator[dict[str, Any]],
                       headers: dict[str, str]) -> JSONResponse:
@@ -402,6 +412,30 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             await events.aclose()  # type: ignore[attr-defined]
 
     return app
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its (non-streamed) answer was ready."""
+
+
+async def until_disconnect(request: Request, coro: Awaitable[T]) -> T:
+    """Await `coro`, cancelling it if the client disconnects (FastAPI does not, outside streams).
+
+    Cancelling closes the stream to decode, which aborts the request and frees its KV everywhere.
+    """
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client disconnected from %s before the answer; aborting", request.url.path)
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _usage(ev: dict[str, Any]) -> dict[str, int]:

@@ -13,6 +13,8 @@ from crossfill.config import ROLES, ConfigError, CrossfillConfig, load_config
 def setup_logging(cfg: CrossfillConfig, name: str) -> None:
     level = cfg.inference_service.observability.log_level.upper()
     logging.basicConfig(level=level, format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s", force=True)
+    # One line per health probe would drown the request log; keep client libraries at warnings.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def build_app(cfg: CrossfillConfig, role: str, instance: str | None) -> tuple[FastAPI, str, int]:
