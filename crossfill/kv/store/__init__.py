@@ -1,8 +1,9 @@
 """KV stores for store-and-pull transfer: opaque bytes under (tenant, key) with a TTL.
 
 `KVStore` (base.py) is the interface; `EmbeddedStore` is the in-process default (memory + disk);
-`MooncakeStore` (mooncake.py, needs the optional `mooncake` extra) talks to a Mooncake Store
-cluster. `AsyncKVStore` wraps any of them for asyncio callers.
+`MooncakeStore` (`crossfill.kv.store.mooncake`, needs the optional `mooncake` extra, so it is not
+imported here) talks to a Mooncake Store cluster whose `mooncake_master` `MooncakeMaster`
+(`crossfill.kv.store.mooncake_master`) can start. `AsyncKVStore` wraps any of them for asyncio.
 """
 
 from crossfill.kv.store.aio import AsyncKVStore

@@ -1,0 +1,30 @@
+"""A real mooncake_master on loopback for the Mooncake Store tests (skipped without the wheel)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _mooncake_import_error() -> str | None:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+MOONCAKE_MISSING = _mooncake_import_error()
+needs_mooncake = pytest.mark.skipif(
+    MOONCAKE_MISSING is not None,
+    reason=f"the mooncake module is not importable ({MOONCAKE_MISSING}); "
+    "install the 'mooncake' extra (mooncake-transfer-engine-non-cuda) and libibverbs1",
+)
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    from crossfill.kv.store.mooncake_master import MooncakeMaster
+
+    master = MooncakeMaster(log_dir=tmp_path_factory.mktemp("mooncake-master")).start()
+    yield master
+    master.stop()
