@@ -78,6 +78,7 @@ class Assembly:
     started: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     done: asyncio.Future[Manifest] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def cache_id(self) -> str:
@@ -197,6 +198,7 @@ class Assembly:
             self.raw_bytes += frame.raw_len
             self.wire_bytes += len(frame.payload)
             self.counters.add("frames_accepted")
+            self.progress.set()
             fut.set_result(None)
         except BaseException as exc:
             fut.set_exception(exc if isinstance(exc, Exception) else TransferError(Reason.ABORTED, "cancelled"))
@@ -211,8 +213,13 @@ class Assembly:
         assert m is not None
         return [s for s in range(m.frame_count) if s not in self.checksums]
 
-    def accept_commit(self, frame_count: int, digest: bytes) -> list[int]:
-        """Return the frames still missing (empty: the transfer is now complete) or raise WireError."""
+    async def accept_commit(self, frame_count: int, digest: bytes, grace_s: float = 1.0) -> list[int]:
+        """Return the frames still missing (empty: the transfer is now complete) or raise WireError.
+
+        The sender commits as soon as its last frame is written, one round trip earlier than
+        waiting for every acknowledgement; frames still travelling on other streams are waited
+        for as long as some frame keeps arriving within `grace_s`.
+        """
         if self.finished and self.done.exception() is None:
             return []  # a resent commit after a lost acknowledgement
         self._guard()
@@ -222,7 +229,15 @@ class Assembly:
         self.touch()
         if frame_count != m.frame_count:
             raise self._refuse(Reason.COMMIT_DIGEST, f"commit counts {frame_count} frames, manifest {m.frame_count}")
-        missing = self.missing()
+        while (missing := self.missing()) and not self.done.done():
+            self.progress.clear()
+            try:
+                await asyncio.wait_for(self.progress.wait(), grace_s)
+            except TimeoutError:
+                break
+        self._guard()
+        if self.finished and self.done.exception() is None:
+            return []  # another stream's commit completed it meanwhile
         if missing:
             self.counters.add("commits_incomplete")
             return missing

@@ -239,7 +239,7 @@ class KVReceiver(ReceiveBackend):
             elif kind is MsgType.FRAME:
                 writer.write(await self._on_frame(bound, body))
             elif kind is MsgType.COMMIT:
-                writer.write(self._on_commit(bound, body))
+                writer.write(await self._on_commit(bound, body))
             elif kind is MsgType.ABORT:
                 if bound is not None:
                     bound.fail(Reason.ABORTED, "sender aborted: " + body.decode(errors="replace")[:200])
@@ -281,7 +281,7 @@ class KVReceiver(ReceiveBackend):
             return answer(MsgType.FRAME_ACK, exc.reason, seq, exc.message)
         return answer(MsgType.FRAME_ACK, Reason.OK, seq)
 
-    def _on_commit(self, bound: Assembly | None, body: bytes) -> bytes:
+    async def _on_commit(self, bound: Assembly | None, body: bytes) -> bytes:
         if bound is None:
             self._counters.refuse(Reason.UNKNOWN_CACHE_ID)
             return answer(MsgType.COMMIT_ACK, Reason.UNKNOWN_CACHE_ID, text="commit on a stream with no accepted manifest")
@@ -291,7 +291,7 @@ class KVReceiver(ReceiveBackend):
             self._counters.refuse(exc.reason)
             return answer(MsgType.COMMIT_ACK, exc.reason, text=exc.message)
         try:
-            missing = bound.accept_commit(count, digest)
+            missing = await bound.accept_commit(count, digest, grace_s=min(1.0, bound.expect.timeout_s / 2))
         except WireError as exc:
             return answer(MsgType.COMMIT_ACK, exc.reason, text=exc.message)
         if missing:
@@ -446,15 +446,18 @@ class _TcpTransfer(OutgoingTransfer):
         body = commit_body(self.m.frame_count, digest)
         attempts = 0
         while True:
+            # Commit once every frame is on a stream (not once every frame is acknowledged): the
+            # receiver waits for frames still in flight, which saves a round trip at the tail.
             async with self.cond:
-                await self.cond.wait_for(lambda: self.error is not None or len(self.acked) == self.m.frame_count)
+                await self.cond.wait_for(lambda: self.error is not None or (
+                    not self.queue and any(c.ready for c in self.conns)))
             self._raise_if_failed()
-            conn = await self._live_conn()
+            conn = next(c for c in self.conns if c.ready)
             fut: asyncio.Future[object] = asyncio.get_running_loop().create_future()
             conn.control.append((message(MsgType.COMMIT, body), fut))
             await self._notify()
             try:
-                ans = await asyncio.wait_for(fut, self.s.timeout_s)
+                ans = await self._await_answer(fut)
             except TimeoutError:
                 attempts += 1
                 if attempts > self.s.max_retry:
@@ -464,16 +467,27 @@ class _TcpTransfer(OutgoingTransfer):
                 if conn.writer is not None:
                     conn.writer.transport.abort()  # treat the stream as stalled; it reconnects
                 continue
+            except asyncio.CancelledError:
+                if not fut.cancelled():
+                    raise  # this task itself is being cancelled
+                if self.error is not None:
+                    raise self.error from None
+                attempts += 1  # the stream carrying the commit broke; commit again on another
+                if attempts > self.s.max_retry + 1:
+                    self._fail(Reason.CONNECTION, "streams kept breaking before the commit was acknowledged")
+                    self._raise_if_failed()
+                continue
             reason, text, missing = ans  # type: ignore[misc]
             if reason is Reason.OK:
                 break
-            if reason is Reason.INCOMPLETE and attempts < self.s.max_retry:
+            if reason in (Reason.INCOMPLETE, Reason.CHECKSUM) and attempts < self.s.max_retry:
                 attempts += 1
-                self.retransmits += len(missing)
+                on_streams = {seq for c in self.conns for kind, seq, _ in c.pending if kind == "frame"}
                 for seq in missing:
-                    if seq in self.acked:
+                    if seq not in on_streams and seq not in self.queue:
                         self.acked.discard(seq)
                         self.queue.append(seq)
+                        self.retransmits += 1
                 await self._notify()
                 continue
             self._fail(reason, f"commit refused: {text}")
@@ -488,11 +502,14 @@ class _TcpTransfer(OutgoingTransfer):
         await self._shutdown()
         return stats
 
-    async def _live_conn(self) -> _Conn:
-        async with self.cond:
-            await self.cond.wait_for(lambda: self.error is not None or any(c.ready for c in self.conns))
-        self._raise_if_failed()
-        return next(c for c in self.conns if c.ready)
+    async def _await_answer(self, fut: asyncio.Future[object]) -> object:
+        """Wait for an answer while streams make progress; TimeoutError after timeout_ms of silence."""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), self.s.timeout_s)
+            except TimeoutError:
+                if time.monotonic() - max(c.last_progress for c in self.conns) >= self.s.timeout_s:
+                    raise
 
     # -- streams --------------------------------------------------------------------------
     async def _run_conn(self, c: _Conn) -> None:
