@@ -6,6 +6,7 @@ tests can also kill and restart single instances. Ports are picked free at start
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
         "network": {"min_bandwidth_gbps": 0.5, "max_latency_ms": 50, "isolated_transport_queue": True},
         "observability": {"metrics_enabled": True, "tracing_enabled": True, "log_level": "info"},
     }
-    svc.update(overrides)
+    for key, value in overrides.items():
+        svc[key] = {**svc[key], **value} if isinstance(value, dict) else value  # type: ignore[dict-item]
     return {
         "inference_service": svc,
         "model": {"name": str(model_dir), "served_name": "tiny", "max_num_seqs": 8},
@@ -126,15 +128,21 @@ class Cluster:
         raise AssertionError(f"scheduler never reached the expected state: {view}")
 
 
-@pytest.fixture(scope="session")
-def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memory_mb: int = 16,
+                   **overrides: object) -> Iterator[Cluster]:
+    """Start a whole cluster (same code path as `crossfill up`), yield it, stop every process."""
     base = free_port_block(120)
-    path = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cluster_config(tiny_llama_dir, base)))
+    doc = cluster_config(Path(model), base, **overrides)
+    doc["model"] = {"name": model, "served_name": served_name, "max_num_seqs": 8}
+    for rc in doc["resource_classes"].values():
+        rc["kv_memory_mb"] = kv_memory_mb
+    path = tmp_dir / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc))
     cfg = load_config(path)
     children = start_children(cfg, str(path))
     try:
-        why = wait_ready(children, 120, [False])
+        why = wait_ready(children, 300, [False])
         assert why is None, why
         c = Cluster(cfg, path, children)
         # Remote instances are reached through the emulator: wait until the scheduler saw all healthy.
@@ -142,3 +150,9 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         yield c
     finally:
         stop_children(children)
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with launch_cluster(str(tiny_llama_dir), tmp_path_factory.mktemp("cluster")) as c:
+        yield c
