@@ -24,8 +24,9 @@ from crossfill.kv.wire import Frame, Manifest, check_frame, commit_digest
 
 Sink = Callable[[LayerKVChunk], Awaitable[None] | None]
 
-# Frames at least this large are decoded in a worker thread so the event loop keeps serving acks.
-_THREAD_DECODE_BYTES = 256 * 1024
+# Frames at least this large, with a codec that does real work, are decoded in a worker thread so
+# the event loop keeps serving acks; a plain copy is cheaper inline than a thread hand-off.
+_THREAD_DECODE_BYTES = 1 << 20
 
 
 class Counters:
@@ -178,7 +179,7 @@ class Assembly:
             args = (m.codec, frame.payload, frame.end - frame.start, entry.num_kv_heads, entry.head_dim,
                     entry.torch_dtype)
             try:
-                if len(frame.payload) >= _THREAD_DECODE_BYTES:
+                if m.codec != "none" and frame.raw_len >= _THREAD_DECODE_BYTES:
                     k, v = await asyncio.to_thread(decode_kv, *args)
                 else:
                     k, v = decode_kv(*args)

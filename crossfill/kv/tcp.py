@@ -49,7 +49,9 @@ from crossfill.kv.wire import (
     read_message,
 )
 
-_THREAD_ENCODE_BYTES = 256 * 1024
+# Encode in a worker thread only when the codec does real work on a large frame; a plain copy is
+# cheaper inline than a thread hand-off under the interpreter lock.
+_THREAD_ENCODE_BYTES = 1 << 20
 _STREAM_LIMIT = 4 << 20
 # Refusals that retrying cannot fix: the transfer fails at once with this reason.
 _FATAL = frozenset({
@@ -424,7 +426,7 @@ class _TcpTransfer(OutgoingTransfer):
             raise RuntimeError("send() after commit() or abort()")
         pieces = self.cutter.cut(chunk)
         for piece in pieces:
-            if piece.k.numel() * piece.k.element_size() * 2 >= _THREAD_ENCODE_BYTES:
+            if self.m.codec != "none" and piece.k.numel() * piece.k.element_size() * 2 >= _THREAD_ENCODE_BYTES:
                 frame = await asyncio.to_thread(encode_piece, self.m, piece)
             else:
                 frame = encode_piece(self.m, piece)
