@@ -18,12 +18,13 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 MANIFEST = "crossfill.json"
 # Bump when the cache layout or the conversion changes: older entries are then rebuilt.
@@ -69,8 +70,16 @@ def is_cached(key: str) -> bool:
 def pull_lock(key: str) -> Iterator[None]:
     """Hold an exclusive lock while pulling `key`, so two processes never build it twice."""
     models_dir().mkdir(parents=True, exist_ok=True)
-    with FileLock(str(models_dir() / f".{key}.lock")):
+    lock = FileLock(str(models_dir() / f".{key}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"Waiting for another process that is pulling {key} ...", file=sys.stderr, flush=True)
+        lock.acquire()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 @contextlib.contextmanager

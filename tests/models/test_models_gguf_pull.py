@@ -205,3 +205,26 @@ def test_cache_entry_missing_a_file_is_rebuilt(home: Path, tiny_entry: RegistryE
     (files.path / "tokenizer.json").unlink()
     again = resolve_model("tiny-test")
     assert (again.path / "tokenizer.json").is_file() and again.fingerprint == files.fingerprint
+
+
+def test_concurrent_pulls_build_the_model_once(home: Path, tiny_entry: RegistryEntry, tmp_path: Path) -> None:
+    """Two processes starting on an empty cache: one pulls, the other waits and reuses the result."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from crossfill.models import resolve_model; from crossfill.models.registry import REGISTRY;"
+        "import json, dataclasses; from crossfill.models.registry import RegistryEntry, WheelMember;"
+        "d = json.loads(sys.argv[1]); d['parts'] = tuple(WheelMember(**p) for p in d['parts']);"
+        "REGISTRY['tiny-test'] = RegistryEntry(**d); print(resolve_model('tiny-test').fingerprint)"
+    )
+    spec = json.dumps(dataclasses.asdict(tiny_entry))
+    env = dict(os.environ)
+    procs = [subprocess.Popen([sys.executable, "-c", script, spec], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in results]
+    assert results[0][0] == results[1][0]
+    built = sum("ready in" in err for _, err in results)
+    assert built == 1, [err[-1000:] for _, err in results]
