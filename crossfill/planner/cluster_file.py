@@ -43,9 +43,20 @@ def file_link_gbps(data: dict[str, Any]) -> float | None:
     if not isinstance(link, dict) or "gbps" not in link:
         raise PlanError("link: expected a mapping with 'gbps'")
     try:
-        return float(link["gbps"])
+        gbps = float(link["gbps"])
     except (TypeError, ValueError) as exc:
         raise PlanError(f"link.gbps: {link['gbps']!r} is not a number of Gbps") from exc
+    if not gbps > 0:
+        raise PlanError(f"link.gbps: {gbps:g} must be > 0 Gbps")
+    return gbps
+
+
+def file_remote_instances(data: dict[str, Any]) -> int | None:
+    """``pools.remote.instances`` if the file has it (the N of plain `plan`)."""
+    pools = data.get("pools")
+    if not isinstance(pools, dict) or pools.get("remote") is None:
+        return None
+    return _instances(pools["remote"], "pools.remote")
 
 
 def _instances(pool: Any, field: str) -> int:

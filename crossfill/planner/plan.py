@@ -86,8 +86,7 @@ def build_plan(req: PlanRequest) -> dict[str, Any]:
 
     workload: Workload | None = parse_workload_spec(req.lengths) if req.lengths else cluster_file.file_workload(data)
     link_gbps = req.link_gbps if req.link_gbps is not None else cluster_file.file_link_gbps(data)
-    remote = (data.get("pools") or {}).get("remote") if isinstance(data.get("pools"), dict) else None
-    instances = req.instances or (remote.get("instances") if isinstance(remote, dict) else None) or 1
+    instances = req.instances or cluster_file.file_remote_instances(data) or 1
 
     if req.context_lens:
         contexts = [float(n) for n in req.context_lens]

@@ -116,6 +116,10 @@ def test_bad_flags_exit_2_with_the_field(app: typer.Typer, args: list[str], mess
         ({"prefill__seconds": [0.08, -0.3, 1.3, 6.0, 14.5]}, "prefill.seconds[1]: -0.3 is negative"),
         ({"decode__slo_ms": 5}, "decode.slo_ms: 5 ms is below the fastest step"),
         ({"pools__local__instances": 0}, "pools.local.instances: 0 must be >= 1"),
+        ({"pools__remote__instances": "four"}, "pools.remote.instances: 'four'; expected a whole number"),
+        ({"link__gbps": -10}, "link.gbps: -10 must be > 0 Gbps"),
+        ({"workload": {"lognormal": {"median": 5000, "sigma": -1}}}, "workload.sigma: -1.0 must be > 0"),
+        ({"decode__batch": [1, 16, 8, 128, 256]}, "decode.batch[2]: 8 is not greater"),
     ],
 )
 def test_bad_profiles_exit_2_with_the_field(app: typer.Typer, tmp_path: Path, changes: dict, message: str) -> None:
