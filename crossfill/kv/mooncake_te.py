@@ -261,6 +261,7 @@ def bench_main(argv: list[str] | None = None) -> None:
     )
     try:
         dest = BufferDescriptor.from_json(proc.stdout.readline())  # type: ignore[union-attr]
+        te.write(src, dest)  # warm-up: the first write also sets up TE's connection to the peer
         te_times, sock_times = [], []
         for _ in range(args.repeats):  # interleaved so both see the same machine load
             t0 = time.perf_counter()
