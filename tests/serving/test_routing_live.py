@@ -1,0 +1,106 @@
+"""Routing v1 on the live cluster: link health, instance health removal/return, failover, backpressure."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import httpx
+from helpers import LONG, SHORT, arm, disarm, generate, set_link, wait_idle
+
+WORKERS = ["here-prefill-0", "here-decode-0", "far-prefill-0"]
+
+
+def route_of(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()["crossfill"]
+
+
+def test_auto_routes_by_prompt_length(cluster) -> None:
+    assert route_of(generate(cluster.url, SHORT))["route"] == "local"
+    assert route_of(generate(cluster.url, LONG))["route"] == "remote"
+    assert route_of(generate(cluster.url, LONG, "local_only"))["route"] == "local"
+
+
+def test_slow_link_keeps_long_prompts_local_and_says_why(cluster) -> None:
+    http_link = cluster.emulator_control("far-prefill-0", "http")
+    set_link(http_link, latency="80ms")  # one way, above network.max_latency_ms (50)
+    try:
+        cluster.wait_scheduler(lambda v: (v["links"]["far"]["latency_ms"] or 0) > 50)
+        info = route_of(generate(cluster.url, LONG))
+        assert info["route"] == "local" and "max_latency_ms" in info["degradation_reason"]
+    finally:
+        set_link(http_link, latency="5ms")
+    cluster.wait_scheduler(lambda v: (v["links"]["far"]["latency_ms"] or 99) < 50)
+    assert route_of(generate(cluster.url, LONG))["route"] == "remote"
+
+
+def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(cluster) -> None:
+    kv_link = cluster.emulator_control("here-decode-0", "kv")
+    arm(kv_link, stall_ms=1000)  # the request is in flight to the remote prefill when it dies
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=generate(cluster.url, LONG, max_tokens=8)))
+    t.start()
+    try:
+        cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["queue_depth"] >= 1, timeout=5)
+        cluster.child("far-prefill-0").proc.send_signal(signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive(), "request hung after its prefill instance died"
+    finally:
+        disarm(kv_link)
+    info = route_of(result["r"])
+    assert info["route"] == "local" and info["prefill_instance"] == "here-prefill-0"
+    assert info["retries"] >= 1 and "fell back to local prefill" in info["degradation_reason"]
+    metrics = httpx.get(cluster.worker_url("here-decode-0") + "/metrics", timeout=5).text
+    assert 'crossfill_fallbacks_total{reason="prefill_failed"}' in metrics
+
+    # Health checks take it out of routing: auto degrades visibly, remote_required refuses clearly.
+    cluster.wait_scheduler(lambda v: not v["instances"]["far-prefill-0"]["healthy"])
+    info = route_of(generate(cluster.url, LONG))
+    assert info["route"] == "local" and "no healthy remote prefill" in info["degradation_reason"]
+    r = generate(cluster.url, SHORT, "remote_required")
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "no_remote_prefill"
+
+    cluster.restart("far-prefill-0")
+    cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["healthy"]
+                           and v["instances"]["far-prefill-0"]["ready"])
+    assert route_of(generate(cluster.url, LONG))["route"] == "remote"
+    wait_idle(cluster, WORKERS)
+
+
+def test_full_prefill_queues_answer_429_with_retry_after(cluster) -> None:
+    kv_link = cluster.emulator_control("here-decode-0", "kv")
+    arm(kv_link, stall_ms=2500)
+    results: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: results.append(generate(cluster.url, LONG, "remote_required",
+                                                                        max_tokens=4)))
+               for _ in range(4)]  # max_queue_depth of the remote prefill
+    try:
+        for t in threads:
+            t.start()
+        cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["queue_depth"] >= 4, timeout=5)
+        r = generate(cluster.url, LONG, "remote_required")
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "prefill_queue_full"
+        # auto with the remote pool full keeps a long prompt local rather than queueing it, and says so.
+        info = route_of(generate(cluster.url, LONG))
+        assert info["route"] == "local" and "queue is full" in info["degradation_reason"]
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive()
+    finally:
+        disarm(kv_link)
+    # Each accepted request ended with a result or an explicit error, never a hang.
+    for r in results:
+        assert r.status_code == 200 or r.json()["error"]["code"] == "kv_transfer_failed", r.text
+    wait_idle(cluster, WORKERS)
+
+
+def test_readiness_and_metrics_endpoints(cluster) -> None:
+    for name in ["gateway", "scheduler", *WORKERS]:
+        url = cluster.cfg.instance(name).url
+        assert httpx.get(url + "/healthz", timeout=5).json()["status"] == "ok"
+        assert httpx.get(url + "/readyz", timeout=5).json()["ready"] is True
+    text = httpx.get(cluster.url + "/metrics", timeout=5).text
+    assert "crossfill_ttft_seconds_bucket" in text
