@@ -308,6 +308,10 @@ class Frame:
     def to_bytes(self) -> bytes:
         return self.wire_header() + bytes(self.payload)
 
+    def body(self) -> bytes:
+        """The FRAME body without its envelope (what a store object holds); parse with parse_frame."""
+        return self.header() + bytes(self.payload)
+
     def wire_header(self) -> bytes:
         """Envelope plus frame header: what precedes the payload on a stream."""
         h = self.header()
