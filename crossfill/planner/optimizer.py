@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -48,7 +49,7 @@ class ClusterSetup:
         if not self.link_gbps >= 0:
             raise PlanError(f"link.gbps: {self.link_gbps} must be >= 0")
 
-    @property
+    @cached_property
     def decode_kv_bytes(self) -> float:
         """Mean KV a decoding request holds at its end (prompt + output tokens)."""
         out = self.decode.output_len

@@ -184,6 +184,7 @@ class EmpiricalWorkload:
         if not np.all(np.isfinite(arr)) or arr[0] <= 0:
             raise PlanError(f"workload {self.source}: lengths must be finite and > 0 tokens".replace("  ", " "))
         object.__setattr__(self, "lengths", arr)
+        object.__setattr__(self, "_sums", {})
 
     @property
     def lo(self) -> float:
@@ -193,15 +194,21 @@ class EmpiricalWorkload:
     def hi(self) -> float:
         return float(self.lengths[-1])
 
+    # `lengths` is sorted, so every range (above, at_most] is one slice found by binary search.
+    def _slice(self, above: float | None, at_most: float | None) -> np.ndarray:
+        start = 0 if above is None else int(np.searchsorted(self.lengths, above, side="right"))
+        stop = self.lengths.size if at_most is None else int(np.searchsorted(self.lengths, at_most, side="right"))
+        return self.lengths[start:max(start, stop)]
+
     def share_above(self, t: float) -> float:
-        return float(np.mean(self.lengths > t))
+        return self._slice(t, None).size / self.lengths.size
 
     def mean_above(self, t: float) -> float:
-        sel = self.lengths[self.lengths > t]
+        sel = self._slice(t, None)
         return float(sel.mean()) if sel.size else 0.0
 
     def mean_at_most(self, t: float) -> float:
-        sel = self.lengths[self.lengths <= t]
+        sel = self._slice(None, t)
         return float(sel.mean()) if sel.size else 0.0
 
     def mean(self) -> float:
@@ -210,15 +217,23 @@ class EmpiricalWorkload:
     def quantile(self, q: float) -> float:
         return float(np.quantile(self.lengths, q))
 
+    def _prefix_sums(self, f: LengthFn) -> np.ndarray:
+        """Running sums of f over the sorted lengths, kept per function: the optimiser asks for the
+        same few functions (prefill time, KV bytes) over hundreds of thresholds."""
+        sums: dict[LengthFn, np.ndarray] = self._sums  # type: ignore[attr-defined]
+        if f not in sums:
+            if len(sums) >= 16:
+                sums.clear()
+            sums[f] = np.concatenate([[0.0], np.cumsum(np.asarray(f(self.lengths), dtype=float))])
+        return sums[f]
+
     def expect(self, f: LengthFn, above: float | None = None, at_most: float | None = None) -> float:
-        mask = np.ones(self.lengths.size, dtype=bool)
-        if above is not None:
-            mask &= self.lengths > above
-        if at_most is not None:
-            mask &= self.lengths <= at_most
-        if not mask.any():
+        start = 0 if above is None else int(np.searchsorted(self.lengths, above, side="right"))
+        stop = self.lengths.size if at_most is None else int(np.searchsorted(self.lengths, at_most, side="right"))
+        if stop <= start:
             return 0.0
-        return float(np.sum(np.asarray(f(self.lengths[mask]), dtype=float)) / self.lengths.size)
+        sums = self._prefix_sums(f)
+        return float((sums[stop] - sums[start]) / self.lengths.size)
 
     def describe(self) -> dict[str, object]:
         return {

@@ -91,3 +91,29 @@ def test_evaluate_matches_the_formula_on_a_lognormal_workload() -> None:
 def test_bad_split_is_rejected() -> None:
     with pytest.raises(PlanError, match="local prefill instances: 4"):
         evaluate(hand_case(), 1000, 4)
+
+
+def test_lognormal_and_a_sampled_trace_of_it_agree() -> None:
+    """The closed-form/grid path and plain sample means reach the same optimum."""
+    lognormal = LogNormalWorkload.from_median(6000, 1.3, 128, 131072)
+    rng = np.random.default_rng(0)
+    samples = rng.lognormal(np.log(6000), 1.3, 300_000)
+    trace = EmpiricalWorkload(samples[(samples >= 128) & (samples <= 131072)])
+
+    def setup(workload: LogNormalWorkload | EmpiricalWorkload) -> ClusterSetup:
+        return ClusterSetup(
+            workload=workload,
+            remote_prefill=PrefillProfile.from_mapping({"lengths": [1024, 131072], "seconds": [0.08, 14.5]}, "r"),
+            local_prefill=PrefillProfile.from_mapping({"lengths": [1024, 131072], "seconds": [0.16, 29.0]}, "l"),
+            decode=DecodeProfile(np.array([1.0, 256.0]), np.array([0.015, 0.048]), slo_s=0.04, output_len=512),
+            remote_instances=4,
+            local_instances=12,
+            link_gbps=25,
+            kv_bytes=lambda lengths: np.asarray(lengths) * 24576.0 + 39.5e6,
+        )
+
+    a, _ = optimize(setup(lognormal))
+    b, _ = optimize(setup(trace))
+    assert b.throughput_rps == pytest.approx(a.throughput_rps, rel=0.01)
+    assert b.offload_share == pytest.approx(a.offload_share, abs=0.01)
+    assert (b.local_prefill_instances, b.decode_instances) == (a.local_prefill_instances, a.decode_instances)
