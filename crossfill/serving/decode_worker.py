@@ -258,7 +258,8 @@ class DecodeWorker(WorkerBase):
             prefill_ms = p_timings.get("prefill", 0.0)
             transfer_ms = max((t_kv_done - started) * 1000 - queue_ms - prefill_ms, 0.0)
             kv_stats = pre_task_result.get("kv", {})
-            self._report(name, int(kv_stats.get("wire_bytes", wire)), float(kv_stats.get("duration_s", 0.0)), ok=True)
+            self._report(name, int(kv_stats.get("wire_bytes", wire)), float(kv_stats.get("duration_s", 0.0)), ok=True,
+                         tail_seconds=float(kv_stats.get("commit_wait_s", 0.0)))
             self.metrics.transfer.observe(transfer_ms / 1000)
             self.metrics.kv_raw.inc(raw)
             self.metrics.kv_wire.inc(wire)
@@ -308,13 +309,14 @@ class DecodeWorker(WorkerBase):
         except json.JSONDecodeError as exc:
             raise AttemptFailed(f"prefill sent a malformed event: {exc}") from None
 
-    def _report(self, prefill: str, wire_bytes: int, seconds: float, ok: bool) -> None:
+    def _report(self, prefill: str, wire_bytes: int, seconds: float, ok: bool, tail_seconds: float = 0.0) -> None:
         """Tell the scheduler what a cross-DC transfer cost (its bandwidth estimate); best effort."""
         inst = self.instances.get(prefill)
         if inst is None or inst.datacenter == self.inst.datacenter or self.http is None:
             return
         url = f"http://{self.cfg.topology.scheduler.host}:{self.cfg.topology.scheduler.port}/v1/report/transfer"
-        body = {"from_datacenter": inst.datacenter, "wire_bytes": wire_bytes, "seconds": seconds, "ok": ok}
+        body = {"from_datacenter": inst.datacenter, "wire_bytes": wire_bytes, "seconds": seconds,
+                "tail_seconds": tail_seconds, "ok": ok}
 
         async def send() -> None:
             with contextlib.suppress(Exception):

@@ -61,7 +61,8 @@ class _Link:
 class TransferReport(_Msg):
     from_datacenter: str
     wire_bytes: int
-    seconds: float
+    seconds: float  # open to commit acknowledged
+    tail_seconds: float = 0.0  # last layer handed over to commit acknowledged
     ok: bool
 
 
@@ -125,7 +126,11 @@ class ClusterState:
             link.transfers_failed += 1
             return
         link.transfers_ok += 1
-        if r.wire_bytes >= _MIN_BW_SAMPLE_BYTES and r.seconds > 0:
+        # Layer-wise sending overlaps prefill: when compute was the bottleneck the transfer's rate is
+        # the prefill's, not the link's. Only transfers whose tail shows the link held them back
+        # (at least half the time spent after the last layer was handed over) measure bandwidth.
+        link_bound = r.tail_seconds >= 0.5 * r.seconds
+        if r.wire_bytes >= _MIN_BW_SAMPLE_BYTES and r.seconds > 0 and link_bound:
             # Subtract one one-way latency: the first byte's flight is not bandwidth.
             flight = (link.latency_ms or 0) / 1000
             gbps = r.wire_bytes * 8 / max(r.seconds - flight, 1e-4) / 1e9
@@ -173,7 +178,8 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     interval = cfg.serving.health_check_interval_ms / 1000
 
     async def poll_forever() -> None:
-        timeout = httpx.Timeout(max(interval * 2, 1.0))
+        # Generous: a busy worker (2 cores shared by everything) is slow, not dead.
+        timeout = httpx.Timeout(max(interval * 4, 2.0))
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             while True:
                 await state.probe_all(client)

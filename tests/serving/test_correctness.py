@@ -25,7 +25,7 @@ def served_tokens(url: str, prompt: str, policy: str, stream: bool, max_tokens: 
         assert r.status_code == 200, r.text
         return r.json()["token_ids"], r.json()["crossfill"]
     with httpx.stream("POST", url + "/v1/generate", json=body, timeout=300) as s:
-        assert s.status_code == 200
+        assert s.status_code == 200, s.read()
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     return [t for e in events for t in e.get("token_ids", [])], events[-1]["crossfill"]
 
