@@ -5,12 +5,15 @@ Only the fields real configs use are read; a config that lacks what the layout n
 
 1. ``layer_types`` (Gemma 3, Qwen3-Next, recent transformers): ``full_attention``,
    ``sliding_attention``, ``linear_attention``, ``mamba``;
-2. ``linear_attn_config.kda_layers`` / ``full_attn_layers`` (Kimi Linear; 1-based layer numbers);
-3. ``hybrid_layer_pattern`` (MiMo-V2-Flash; 1 = sliding window, 0 = global);
-4. ``full_attention_interval`` (Qwen3-Next without ``layer_types``; every n-th layer is full);
-5. ``sliding_window_pattern`` (older Gemma 3 configs; every n-th layer is global);
-6. ``sliding_window`` with ``use_sliding_window`` not false (Mistral-style: every layer slides);
-7. otherwise every layer is full attention.
+2. ``layers_block_type`` (``attention`` / ``mamba``; ``mlp`` and ``moe`` layers hold no KV);
+3. ``hybrid_override_pattern`` (Nemotron-H: ``*`` attention, ``M`` Mamba-2, ``-``/``E`` MLP only);
+4. ``attn_layer_period`` / ``attn_layer_offset`` (Jamba: attention where i % period == offset, else Mamba);
+5. ``linear_attn_config.kda_layers`` / ``full_attn_layers`` (Kimi Linear; 1-based layer numbers);
+6. ``hybrid_layer_pattern`` (MiMo-V2-Flash; 1 = sliding window, 0 = global);
+7. ``full_attention_interval`` (Qwen3-Next without ``layer_types``; every n-th layer is full);
+8. ``sliding_window_pattern`` (older Gemma 3 configs; every n-th layer is global);
+9. ``sliding_window`` with ``use_sliding_window`` not false (Mistral-style: every layer slides);
+10. otherwise every layer is full attention.
 
 Global layers are MLA when the config has ``kv_lora_rank`` (DeepSeek-V3, Kimi), else grouped-query
 attention. Multimodal configs nest the language model under ``text_config``; its fields win.
@@ -57,7 +60,31 @@ def _opt_int(cfg: Mapping[str, Any], key: str) -> int | None:
     return _int(cfg, key) if cfg.get(key) is not None else None
 
 
-def _layer_kinds(cfg: Mapping[str, Any], n: int) -> list[LayerKind]:
+_BLOCK_NAMES: dict[str, LayerKind | None] = {"attention": "full", "mamba": "linear", "mlp": None, "moe": None}
+_PATTERN_CHARS: dict[str, LayerKind | None] = {"*": "full", "M": "linear", "-": None, "E": None}
+
+
+def _layer_kinds(cfg: Mapping[str, Any], n: int) -> list[LayerKind | None]:
+    """The KV kind of each decoder layer; None for layers that keep nothing (MLP-only blocks)."""
+    if cfg.get("layers_block_type") is not None:
+        blocks = cfg["layers_block_type"]
+        if not isinstance(blocks, list) or len(blocks) != n or any(b not in _BLOCK_NAMES for b in blocks):
+            raise PlanError(
+                f"config.json: 'layers_block_type' must be {n} entries of {', '.join(_BLOCK_NAMES)}"
+            )
+        return [_BLOCK_NAMES[b] for b in blocks]
+    if cfg.get("hybrid_override_pattern") is not None:
+        pattern = cfg["hybrid_override_pattern"]
+        if not isinstance(pattern, str) or len(pattern) != n or any(c not in _PATTERN_CHARS for c in pattern):
+            raise PlanError(
+                f"config.json: 'hybrid_override_pattern' must be {n} characters of '*' (attention), "
+                "'M' (Mamba), '-' or 'E' (MLP)"
+            )
+        return [_PATTERN_CHARS[c] for c in pattern]
+    if cfg.get("attn_layer_period") is not None:
+        period = _int(cfg, "attn_layer_period")
+        offset = cfg.get("attn_layer_offset", 0)
+        return ["full" if i % period == offset else "linear" for i in range(n)]
     if cfg.get("layer_types") is not None:
         types = cfg["layer_types"]
         if not isinstance(types, list) or len(types) != n:
@@ -111,6 +138,8 @@ def _gqa_geometry(cfg: Mapping[str, Any], prefix: str = "") -> tuple[int, int, i
         k_dim = _int(cfg, f"{prefix}head_dim")
     elif cfg.get("head_dim") is not None:
         k_dim = _int(cfg, "head_dim")
+    elif cfg.get("attention_head_dim") is not None:  # Nemotron-H
+        k_dim = _int(cfg, "attention_head_dim")
     elif cfg.get("hidden_size") is not None and cfg.get("num_attention_heads") is not None:
         hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
         if hidden % heads:
@@ -139,16 +168,23 @@ def _linear_state_values(cfg: Mapping[str, Any]) -> int:
         k_dim, v_dim = _int(cfg, "linear_key_head_dim"), _int(cfg, "linear_value_head_dim")
         conv = _int(cfg, "linear_conv_kernel_dim")
         return v_heads * k_dim * v_dim + (2 * k_heads * k_dim + v_heads * v_dim) * (conv - 1)
-    if cfg.get("mamba_d_state") is not None or cfg.get("ssm_state_size") is not None:
-        # Mamba-1 (Jamba naming, or ssm_state_size): d_inner x d_state state plus conv tail.
-        d_state = _int(cfg, "mamba_d_state") if cfg.get("mamba_d_state") is not None else _int(cfg, "ssm_state_size")
+    if cfg.get("mamba_num_heads") is not None:
+        # Mamba-2 (Nemotron-H naming): heads x head_dim x d_state, conv over x, B and C.
+        heads, head_dim, d_state = _int(cfg, "mamba_num_heads"), _int(cfg, "mamba_head_dim"), _int(cfg, "ssm_state_size")
+        groups = _int(cfg, "n_groups") if cfg.get("n_groups") is not None else 1
+        conv = _int(cfg, "conv_kernel") if cfg.get("conv_kernel") is not None else 4
+        return heads * head_dim * d_state + (heads * head_dim + 2 * groups * d_state) * (conv - 1)
+    if cfg.get("mamba_d_state") is not None:
+        # Mamba-1 (Jamba naming): d_inner x d_state state plus the conv tail over d_inner channels.
+        d_state = _int(cfg, "mamba_d_state")
         expand = _int(cfg, "mamba_expand") if cfg.get("mamba_expand") is not None else 2
         d_conv = _int(cfg, "mamba_d_conv") if cfg.get("mamba_d_conv") is not None else 4
         d_inner = expand * _int(cfg, "hidden_size")
         return d_inner * d_state + d_inner * (d_conv - 1)
     raise PlanError(
         "config.json: linear-attention layers need their state size: expected 'linear_attn_config' "
-        "(num_heads, head_dim, short_conv_kernel_size), 'linear_num_value_heads' and friends, or 'mamba_d_state'"
+        "(num_heads, head_dim, short_conv_kernel_size), 'linear_num_value_heads' and friends, "
+        "'mamba_num_heads' (Mamba-2) or 'mamba_d_state' (Mamba-1)"
     )
 
 
@@ -174,6 +210,8 @@ def model_from_hf_config(
 
     layers = []
     for i, kind in enumerate(kinds):
+        if kind is None:
+            continue  # an MLP-only block: nothing to hand to decode
         if kind == "full" and is_mla:
             layers.append(LayerKV(i, "mla", latent_dim=latent))
         elif kind == "full":

@@ -79,3 +79,33 @@ def test_presets_are_found_by_hugging_face_id_and_cite_sources() -> None:
     assert load_model("Qwen/Qwen3-Next-80B-A3B-Instruct").name == "Qwen3-Next-80B-A3B"
     for key in ("deepseek-v3", "gemma-3-27b", "kimi-linear-48b-a3b"):
         assert preset_data(key)["sources"][0].startswith("https://huggingface.co/")
+
+
+# Trimmed from https://huggingface.co/nvidia/Nemotron-H-8B-Base-8K/blob/main/config.json and
+# https://huggingface.co/ai21labs/Jamba-v0.1/blob/main/config.json (KV-relevant fields only).
+NEMOTRON_H_8B = {
+    "model_type": "nemotron_h", "num_hidden_layers": 52, "hidden_size": 4096,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "num_attention_heads": 32, "num_key_value_heads": 8, "attention_head_dim": 128,
+    "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+}
+JAMBA = {
+    "model_type": "jamba", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "attn_layer_offset": 4, "attn_layer_period": 8,
+    "mamba_d_conv": 4, "mamba_d_state": 16, "mamba_expand": 2,
+}
+
+
+def test_mamba2_hybrid_with_mlp_only_layers() -> None:
+    model = model_from_hf_config(NEMOTRON_H_8B, "nemotron-h-8b")
+    assert model.kind_counts() == {"linear": 24, "full": 4}  # the 24 MLP-only layers hold nothing
+    state = 128 * 64 * 128 + (128 * 64 + 2 * 8 * 128) * 3  # heads x head_dim x d_state + conv(x, B, C)
+    assert model.request_bytes(1000, BF16) == 1000 * 4 * 2 * 8 * 128 * 2 + 24 * state * 2
+
+
+def test_jamba_attention_period_and_mamba1_state() -> None:
+    model = model_from_hf_config(JAMBA, "jamba")
+    assert [layer.index for layer in model.layers if layer.kind == "full"] == [4, 12, 20, 28]
+    d_inner = 2 * 4096
+    state = d_inner * 16 + d_inner * 3
+    assert model.request_bytes(1000, BF16) == 1000 * 4 * 2 * 8 * 128 * 2 + 28 * state * 2
