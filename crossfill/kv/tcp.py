@@ -53,8 +53,8 @@ from crossfill.kv.wire import (
 # cheaper inline than a thread hand-off under the interpreter lock.
 _THREAD_ENCODE_BYTES = 1 << 20
 _STREAM_LIMIT = 4 << 20
-# Refusals that retrying cannot fix: the transfer fails at once with this reason.
-_FATAL = frozenset({
+# Refusals that retrying cannot fix: the transfer fails at once with this reason (all backends).
+FATAL_REASONS = frozenset({
     Reason.EXPIRED, Reason.ABORTED, Reason.SINK_ERROR, Reason.TIMEOUT, Reason.FINGERPRINT_MISMATCH,
     Reason.TOKEN_DIGEST_MISMATCH, Reason.TENANT_MISMATCH, Reason.MANIFEST_MISMATCH, Reason.DUPLICATE,
     Reason.COMMIT_DIGEST, Reason.UNKNOWN_VERSION,
@@ -240,6 +240,8 @@ class KVReceiver(ReceiveBackend):
                 writer.write(reply)
             elif kind is MsgType.FRAME:
                 writer.write(await self._on_frame(bound, body))
+            elif kind is MsgType.FRAME_REF:
+                writer.write(await self._on_frame_ref(bound, body))
             elif kind is MsgType.COMMIT:
                 writer.write(await self._on_commit(bound, body))
             elif kind is MsgType.ABORT:
@@ -267,7 +269,16 @@ class KVReceiver(ReceiveBackend):
             a.accept_manifest(m)
         except WireError as exc:
             return None, answer(MsgType.MANIFEST_ACK, exc.reason, text=exc.message)
-        return a, answer(MsgType.MANIFEST_ACK, Reason.OK)
+        return a, answer(MsgType.MANIFEST_ACK, Reason.OK, text=self._accepted_text(a))
+
+    def _accepted_text(self, a: Assembly) -> str:
+        """Text of a manifest's OK answer: what the sender needs besides "go" (nothing, over TCP)."""
+        return ""
+
+    async def _on_frame_ref(self, bound: Assembly | None, body: bytes) -> bytes:
+        """Frames placed in our memory by a one-sided transport; plain TCP receivers have none."""
+        self._counters.refuse(Reason.MALFORMED)
+        return answer(MsgType.FRAME_ACK, Reason.MALFORMED, 0, "this receiver takes frames inline, not by reference")
 
     async def _on_frame(self, bound: Assembly | None, body: bytes) -> bytes:
         seq = struct.unpack_from("!I", body)[0] if len(body) >= 4 else 0
@@ -645,7 +656,7 @@ class _TcpTransfer(OutgoingTransfer):
         if reason is Reason.OK:
             self.acked.add(seq)
             return
-        if reason in _FATAL:
+        if reason in FATAL_REASONS:
             self._fail(reason, f"frame {seq} refused: {text}")
             return
         self.retries[seq] += 1

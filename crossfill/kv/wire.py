@@ -51,6 +51,7 @@ class MsgType(IntEnum):
     FRAME = 2
     COMMIT = 3
     ABORT = 4
+    FRAME_REF = 5  # a frame already placed in the receiver's memory (Mooncake TE): u64 offset, u32 length
     MANIFEST_ACK = 16
     FRAME_ACK = 17
     COMMIT_ACK = 18
