@@ -127,12 +127,15 @@ def build_plan(req: PlanRequest) -> dict[str, Any]:
         setup = cluster_file.cluster_setup(
             data, model.kv_function(dtype, state_dtype), prefill_override=override, workload=workload, link_gbps=link_gbps
         )
-        best, _ = optimize(setup)
-        result["optimize"] = report.optimum_summary(setup, best, local_only(setup))
+        best, curve = optimize(setup)
+        result["optimize"] = report.optimum_summary(setup, best, local_only(setup), curve)
 
     if req.plot:
         from crossfill.planner.plots import plot_kv_and_phi
 
         top = int(max(131072, *contexts))
-        result["plot"] = str(plot_kv_and_phi(req.plot, model, dtype, state_dtype, prefill, link_gbps, instances, top))
+        curve = result.get("optimize", {}).get("curve")
+        result["plot"] = str(
+            plot_kv_and_phi(req.plot, model, dtype, state_dtype, prefill, link_gbps, instances, top, curve)
+        )
     return result

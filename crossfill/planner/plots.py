@@ -34,6 +34,7 @@ def plot_kv_and_phi(
     link_gbps: float | None,
     instances: int,
     max_len: int = 131072,
+    curve: list[dict] | None = None,
 ) -> Path:
     import matplotlib
 
@@ -45,7 +46,8 @@ def plot_kv_and_phi(
         raise PlanError(f"--plot: {out} must end in .png, .svg or .pdf")
     lengths = np.unique(np.geomspace(128, max_len, 60).round().astype(int))
     models = [model] + [load_model(n) for n in COMPARISON_PRESETS if load_model(n).name != model.name]
-    fig, axes = plt.subplots(1, 2 if prefill else 1, figsize=(13 if prefill else 7, 5), squeeze=False)
+    panels = 1 + (prefill is not None) + (curve is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 5), squeeze=False)
     ax = axes[0][0]
     for m in models:
         kv = [m.request_bytes(int(n), dtype, state_dtype) / 1e9 for n in lengths]
@@ -69,9 +71,23 @@ def plot_kv_and_phi(
         if link_gbps:
             ax.axhline(link_gbps / instances, color="k", ls=":", label=f"link / {instances} instance(s)")
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="Phi per prefill instance (Gbps)")
-        ax.set_title(f"KV throughput Phi at prefill {prefill.source}")
+        ax.set_title(f"KV throughput Phi (prefill: {prefill.source})", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
+    if curve:
+        ax = axes[0][-1]
+        thresholds = [c["threshold"] for c in curve]
+        ax.plot(thresholds, [c["throughput_rps"] for c in curve], label="cluster throughput (best split)")
+        best = max(curve, key=lambda c: c["throughput_rps"])
+        ax.plot([best["threshold"]], [best["throughput_rps"]], "o", color="k", label="optimum")
+        ax.set(xscale="log", xlabel="offload threshold t (tokens)", ylabel="requests/s")
+        twin = ax.twinx()
+        twin.plot(thresholds, [c["offload_share"] for c in curve], "--", color="gray", label="offloaded share")
+        twin.set_ylabel("offloaded share")
+        ax.set_title("Throughput against the offload threshold")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+        twin.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,8 +79,13 @@ def verdict(case: LinkCase, alternatives: list[LinkCase], link_gbps: float) -> s
     return text
 
 
-def optimum_summary(setup: ClusterSetup, best: Evaluation, baseline: Evaluation) -> dict[str, Any]:
+def optimum_summary(
+    setup: ClusterSetup, best: Evaluation, baseline: Evaluation, curve: list[Evaluation]
+) -> dict[str, Any]:
+    """The optimum, the local-only baseline, and the best split at every threshold tried."""
     gain = best.throughput_rps / baseline.throughput_rps if baseline.throughput_rps > 0 else math.inf
+    # How forgiving the threshold is: the range of thresholds within 5% of the optimum.
+    near = [e.threshold for e in curve if e.throughput_rps >= 0.95 * best.throughput_rps]
     return {
         "workload": setup.workload.describe(),
         "link_gbps": setup.link_gbps,
@@ -92,6 +97,18 @@ def optimum_summary(setup: ClusterSetup, best: Evaluation, baseline: Evaluation)
         "best": best.as_dict(),
         "local_only": baseline.as_dict(),
         "gain_over_local_only": None if math.isinf(gain) else gain,
+        "near_optimal_thresholds": [min(near), max(near)] if near else None,
+        "curve": [
+            {
+                "threshold": e.threshold,
+                "offload_share": e.offload_share,
+                "throughput_rps": e.throughput_rps,
+                "bottleneck": e.bottleneck,
+                "local_prefill_instances": e.local_prefill_instances,
+                "link_egress_gbps": e.link_egress_gbps,
+            }
+            for e in curve
+        ],
     }
 
 
@@ -161,6 +178,9 @@ def render_text(result: dict[str, Any]) -> str:
             f"  cluster throughput {b['throughput_rps']:.4g} req/s, bottleneck: {b['bottleneck']}; "
             f"link egress {b['link_egress_gbps']:.3g} Gbps ({b['link_utilisation']:.0%} of {opt['link_gbps']:g})"
         )
+        near = opt.get("near_optimal_thresholds")
+        if near:
+            lines.append(f"  thresholds from {near[0]:.0f} to {near[1]:.0f} tokens stay within 5% of the optimum")
         gain = opt["gain_over_local_only"]
         lines.append(
             f"  local only: {base['throughput_rps']:.4g} req/s ({base['local_prefill_instances']} prefill + "

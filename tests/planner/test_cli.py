@@ -69,11 +69,14 @@ def test_optimize_with_example_profile(app: typer.Typer) -> None:
     assert best["throughput_rps"] >= base["throughput_rps"]
     assert best["local_prefill_instances"] + best["decode_instances"] == 12
     assert 0 <= best["offload_share"] <= 1
+    assert max(c["throughput_rps"] for c in opt["curve"]) == pytest.approx(best["throughput_rps"])
+    low, high = opt["near_optimal_thresholds"]
+    assert low <= best["threshold"] <= high
 
 
 def test_plot_is_written(app: typer.Typer, tmp_path: Path) -> None:
     target = tmp_path / "kv.png"
-    code, out = run(app, "-m", "mimo-v2-flash", "--prefill-tps", "30000", "--link-gbps", "100", "--plot", str(target))
+    code, out = run(app, "-m", "mimo-v2-flash", "--profile", str(EXAMPLE), "--optimize", "--plot", str(target))
     assert code == 0, out
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
