@@ -176,6 +176,7 @@ class EmpiricalWorkload:
 
     lengths: np.ndarray
     source: str = ""
+    _sums: dict[LengthFn, np.ndarray] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         arr = np.sort(np.asarray(self.lengths, dtype=float))
@@ -184,7 +185,6 @@ class EmpiricalWorkload:
         if not np.all(np.isfinite(arr)) or arr[0] <= 0:
             raise PlanError(f"workload {self.source}: lengths must be finite and > 0 tokens".replace("  ", " "))
         object.__setattr__(self, "lengths", arr)
-        object.__setattr__(self, "_sums", {})
 
     @property
     def lo(self) -> float:
@@ -220,7 +220,7 @@ class EmpiricalWorkload:
     def _prefix_sums(self, f: LengthFn) -> np.ndarray:
         """Running sums of f over the sorted lengths, kept per function: the optimiser asks for the
         same few functions (prefill time, KV bytes) over hundreds of thresholds."""
-        sums: dict[LengthFn, np.ndarray] = self._sums  # type: ignore[attr-defined]
+        sums = self._sums
         if f not in sums:
             if len(sums) >= 16:
                 sums.clear()
