@@ -16,22 +16,28 @@ from crossfill.models import eos_token_ids, load_config, load_state_dict, load_t
 pytestmark = pytest.mark.realmodel
 
 
-def _greedy(files, prompt: str, tokens: int) -> str:
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(files.path), dtype=torch.float32, output_loading_info=True
-    )
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), info
-    tokenizer = load_tokenizer(files)
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
+class _Greedy:
+    """The cached model loaded by transformers itself (must load with no missing/unexpected keys)."""
+
+    def __init__(self, files) -> None:
+        self.model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(files.path), dtype=torch.float32, output_loading_info=True
+        )
+        assert info["missing_keys"] == set() and info["unexpected_keys"] == set(), info
+        self.tokenizer = load_tokenizer(files)
+
+    def __call__(self, prompt: str, tokens: int) -> str:
+        ids = self.tokenizer(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = self.model.generate(**ids, max_new_tokens=tokens, do_sample=False)
+        return self.tokenizer.decode(out[0, ids.input_ids.shape[1]:], skip_special_tokens=True)
 
 
 def _check_common(files) -> None:
     config = load_config(files)
     state = load_state_dict(files)
-    skeleton = {k for k in transformers.AutoModelForCausalLM.from_config(config).state_dict()}
+    with torch.device("meta"):  # parameter names only; no memory, no random init
+        skeleton = set(transformers.AutoModelForCausalLM.from_config(config).state_dict())
     assert set(state) == skeleton - {"lm_head.weight"}  # tied embeddings stored once
     assert all(t.dtype == torch.float32 for t in state.values())
     assert resolve_model(files.name, pull=False).fingerprint == files.fingerprint  # stable across loads
@@ -47,8 +53,9 @@ def test_smollm2_135m() -> None:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                          add_generation_prompt=True)
     assert chat.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    assert "Paris" in _greedy(files, "The capital of France is", 6)
-    assert _greedy(files, "1, 2, 3, 4, 5,", 6).startswith(" 6, 7")
+    greedy = _Greedy(files)
+    assert "Paris" in greedy("The capital of France is", 6)
+    assert greedy("1, 2, 3, 4, 5,", 6).startswith(" 6, 7")
 
 
 def test_gemma3_270m() -> None:
@@ -66,5 +73,6 @@ def test_gemma3_270m() -> None:
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                          add_generation_prompt=True)
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
-    assert _greedy(files, "1, 2, 3, 4, 5,", 6).startswith(" 6, 7")
-    assert "Lily" in _greedy(files, "Once upon a time, there was a little girl named", 3)
+    greedy = _Greedy(files)
+    assert greedy("1, 2, 3, 4, 5,", 6).startswith(" 6, 7")
+    assert "Lily" in greedy("Once upon a time, there was a little girl named", 3)
