@@ -57,7 +57,7 @@ DIRECTIONS: tuple[Direction, ...] = ("up", "down")
 
 MSS = 1448  # bytes of payload in one TCP segment on a 1500-byte MTU path
 RTO_MIN_S = 0.2  # Linux's minimum retransmission timeout
-_BURST_S = 0.002  # transmitter credit that absorbs event-loop wake-up lateness
+_BURST_S = 0.01  # transmitter credit (a 10 ms token bucket) that absorbs event-loop wake-up lateness
 _MIN_CHUNK = 16 * 1024
 _MAX_CHUNK = 256 * 1024
 _QUEUE_CHUNKS = 512  # per connection and direction: bounds memory to ~128 MiB in the worst case

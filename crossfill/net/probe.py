@@ -30,8 +30,8 @@ async def _echo_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         while data := await reader.read(4096):
             writer.write(data)
             await writer.drain()
-    except ConnectionError:
-        pass
+    except (ConnectionError, asyncio.CancelledError):
+        pass  # the prober went away, or the loop is shutting down
     finally:
         writer.close()
 
@@ -66,7 +66,9 @@ class LinkProber:
     async def probe_once(self) -> float | None:
         """One measurement; returns the RTT in seconds (recorded) or None after a recorded failure."""
         try:
-            rtt = await asyncio.wait_for(self._measure(), self.timeout_s)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can lose a cancel() racing the inner task
+            async with asyncio.timeout(self.timeout_s):
+                rtt = await self._measure()
         except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             log.debug("probe of %s:%d failed: %r", self.host, self.port, exc)
             self._drop_connection()
