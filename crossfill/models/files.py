@@ -290,7 +290,8 @@ class _Memo:
         return hit["digest"] if isinstance(hit, dict) and hit.get("stamp") == stamp else None
 
     def put(self, key: str, stamp: list[Any], digest: str) -> None:
-        data = self._load()
+        # Forget paths that are gone (test runs resolve many temporary directories).
+        data = {k: v for k, v in self._load().items() if Path(k).exists()}
         data[key] = {"stamp": stamp, "digest": digest}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
