@@ -47,3 +47,16 @@ def register(app: typer.Typer) -> None:
         from crossfill.serving.up import run_up
 
         raise typer.Exit(run_up(config))
+
+    @app.command("measure-ttft")
+    def measure_ttft(
+        config: str = typer.Option(..., "--config", "-c", help="YAML configuration file"),
+        url: str | None = typer.Option(None, help="gateway of a running cluster (default: start one from --config)"),
+        short_tokens: int = typer.Option(32, help="tokens of the short prompt"),
+        long_tokens: int = typer.Option(1024, help="tokens of the long prompt"),
+        repeats: int = typer.Option(3, help="requests per cell (the median is shown)"),
+    ) -> None:
+        """TTFT of local vs remote prefill for a short and a long prompt, split into stages, with KV bytes."""
+        from crossfill.serving.measure import run_measure
+
+        raise typer.Exit(run_measure(config, url, short_tokens, long_tokens, repeats))

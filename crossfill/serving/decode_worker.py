@@ -100,7 +100,8 @@ class DecodeWorker(WorkerBase):
                          decode_instance=self.inst.name, degradation_reason=job.route.degradation_reason,
                          trace_id=job.trace_id, tenant_id=job.tenant_id)
         handle: Any = None
-        finished = False
+        finished = False  # an answer (result or error) went out
+        engine_done = False  # the engine finished the request itself (nothing to abort)
         engine_id: str | None = None
         try:
             try:
@@ -114,7 +115,12 @@ class DecodeWorker(WorkerBase):
                                               namespace=job.tenant_id or "")
                 t_kv = time.perf_counter()
             else:
-                got = await self._get_kv(job, params, info, started)
+                try:
+                    async with asyncio.timeout(job.deadline_s):
+                        got = await self._get_kv(job, params, info, started)
+                except TimeoutError:
+                    raise APIError(504, f"no KV cache for {job.request_id} within the request deadline "
+                                   f"({job.deadline_s:g}s)", code="deadline_exceeded") from None
                 handle, engine_id = got.handle, got.cache_id
                 info.route = "remote" if self.instances[got.prefill].datacenter != self.inst.datacenter else "local"
                 info.prefill_instance, info.cache_id = got.prefill, got.cache_id
@@ -134,11 +140,14 @@ class DecodeWorker(WorkerBase):
                     first_out = False
                 if out.error:
                     raise APIError(500, f"engine error: {out.error}", code="engine_error")
+                if time.perf_counter() - started > job.deadline_s:
+                    raise APIError(504, f"request deadline ({job.deadline_s:g}s, serving.request_timeout_s) "
+                                   "passed while decoding", code="deadline_exceeded")
                 if out.new_token_ids or out.new_text:
                     self.metrics.tokens.inc(len(out.new_token_ids))
                     yield ndjson({"event": "delta", "token_ids": out.new_token_ids, "text": out.new_text})
                 if out.finished:
-                    finished = True
+                    finished = engine_done = True
                     info.timings_ms["decode"] = (time.perf_counter() - t_first) * 1000
                     info.timings_ms["decode_total"] = (time.perf_counter() - started) * 1000
                     self.metrics.requests.labels(info.route, "ok").inc()
@@ -167,7 +176,7 @@ class DecodeWorker(WorkerBase):
         finally:
             if not finished:
                 log.info("decode %s: client went away, aborting", job.request_id)
-            if engine_id is not None and not finished:
+            if engine_id is not None and not engine_done:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.engine.abort(engine_id))
             if not first.done():

@@ -71,3 +71,25 @@ def test_real_models_remote_equals_local_equals_colocated(model: str, tmp_path: 
     with launch_cluster(model, tmp_path, served_name=model, kv_memory_mb=256,
                         kv_cache={"timeout_ms": 20000}) as c:
         check_equal_paths(c.url, model, prompts, max_tokens=12)
+
+
+def test_decode_batches_requests_whose_kv_came_from_different_prefill_instances(cluster) -> None:
+    """A local-prefilled and a remote-prefilled request decode together and each keeps its own output."""
+    import threading
+
+    alone = {p: served_tokens(cluster.url, LONG, p, False, 200)[0] for p in ("local_only", "remote_required")}
+    results: dict[str, tuple[list[int], dict]] = {}
+    peak = [0]
+    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, served_tokens(cluster.url, LONG, p,
+                                                                                         True, 200)))
+               for p in alone]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        peak[0] = max(peak[0], cluster.kv("here-decode-0")["active_requests"])
+    for t in threads:
+        t.join()
+    assert peak[0] == 2, "the two requests never decoded in the same batch"
+    for policy, (tokens, _info) in results.items():
+        assert tokens == alone[policy]
+    assert {results[p][1]["prefill_instance"] for p in alone} == {"here-prefill-0", "far-prefill-0"}
