@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import typer
 
@@ -51,12 +52,14 @@ def register(app: typer.Typer) -> None:
             if control:
                 where += f", control on http://{emu.control[0]}:{emu.control_port}/link"
             typer.echo(f"linkemu {where} -> {upstream}", err=True)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
             try:
-                await asyncio.Event().wait()
+                await stop.wait()
             finally:
                 await emu.stop()
+            typer.echo("linkemu stopped", err=True)
 
-        try:
-            asyncio.run(run())
-        except KeyboardInterrupt:
-            pass
+        asyncio.run(run())

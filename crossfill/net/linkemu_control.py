@@ -14,7 +14,9 @@ A bad body is answered 400 with {"error": ..., "field": <the offending field>}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
@@ -117,6 +119,17 @@ def build_app(emu: LinkEmulator) -> FastAPI:
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the emulator's owner (the CLI, a test) handles signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def install_signal_handlers(self) -> None:  # the name in older uvicorn releases
+        pass
+
+
 class ControlServer:
     """Runs the control app on (host, port) inside the running event loop; `port` is the bound one."""
 
@@ -126,7 +139,7 @@ class ControlServer:
         )
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(build_app(emu), log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
+        self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -158,7 +158,7 @@ async def test_upstream_down_closes_the_client():
 async def test_control_endpoint_over_http(echo_port):
     async with LinkEmulator(("127.0.0.1", echo_port), latency="1ms", control="127.0.0.1:0") as emu:
         base = f"http://127.0.0.1:{emu.control_port}"
-        async with httpx.AsyncClient(base_url=base, timeout=5) as http:
+        async with httpx.AsyncClient(base_url=base, timeout=5, trust_env=False) as http:
             status = (await http.get("/link")).json()
             assert status["settings"]["latency_ms"] == pytest.approx(1.0)
             assert status["upstream"] == f"127.0.0.1:{echo_port}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def test_cli_proxies_and_serves_control_api():
             deadline = time.monotonic() + 20
             while True:
                 try:
-                    status = httpx.get(f"http://127.0.0.1:{control}/link", timeout=1).json()
+                    status = httpx.get(f"http://127.0.0.1:{control}/link", timeout=1, trust_env=False).json()
                     break
                 except httpx.TransportError:
                     assert proc.poll() is None, proc.stderr.read().decode()
@@ -50,10 +51,19 @@ def test_cli_proxies_and_serves_control_api():
                     server.settimeout(5)
                     assert server.recv(100) == b"hello"
                     assert time.perf_counter() - t0 >= 0.024
-            assert httpx.get(f"http://127.0.0.1:{control}/link").json()["counters"]["up"]["bytes_out"] == 5
+            assert (
+                httpx.get(f"http://127.0.0.1:{control}/link", trust_env=False).json()["counters"]["up"][
+                    "bytes_out"
+                ]
+                == 5
+            )
+            proc.send_signal(signal.SIGINT)  # Ctrl-C: a clean stop, not a traceback
+            _, err = proc.communicate(timeout=20)
+            assert proc.returncode == 0 and b"linkemu stopped" in err and b"Traceback" not in err
         finally:
-            proc.terminate()
-            proc.wait(10)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 def test_cli_bad_unit_is_a_clear_error_not_a_traceback():
