@@ -19,7 +19,9 @@ Model, per direction ("up" = client -> upstream, "down" = upstream -> client):
 - Loss: TCP hides loss from the application, so a lost segment (MSS-sized, independent with
   probability `loss`) shows up as extra delay: the retransmission after max(200 ms, RTT), the
   Linux minimum RTO or one round trip. Data behind it waits too (head-of-line blocking), then
-  arrives in a burst, as with SACK recovery. Lost segments are counted.
+  arrives in a burst, as with SACK recovery. Lost segments are counted. Not modelled: TCP's
+  congestion-window cut after a loss, which on a real long path caps one flow near
+  MSS/RTT * 1.22/sqrt(loss) (Mathis et al.); here loss costs latency, not rate.
 
 Faults, armed at run time (`arm()` or `POST /faults`), act on the next bytes through the link:
 - cut_after_bytes=N: after N more bytes in the chosen direction (all connections together), every
