@@ -135,6 +135,7 @@ def test_secure_delete_zeroes_file_before_unlink(tmp_path, monkeypatch):
     store = EmbeddedStore(memory_capacity_bytes=0, disk_dir=tmp_path, disk_capacity_bytes=1000)
     store.put("k", b"SECRET" * 10)
     (path,) = tmp_path.glob("*.kv")
+    assert path.stat().st_mode & 0o777 == 0o600  # other local users cannot read cached KV
     seen: list[bytes] = []
     real_unlink = type(path).unlink
 

@@ -114,7 +114,7 @@ class EmbeddedStore:
         self._counts = dict.fromkeys(("puts", "hits", "misses", "deletes", "evictions", "expirations"), 0)
         self._closed = False
         if self._disk_dir is not None:
-            self._disk_dir.mkdir(parents=True, exist_ok=True)
+            self._disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._load_disk()
         self._stop = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -295,7 +295,8 @@ class EmbeddedStore:
         ).encode()
         tmp = path.with_suffix(_TMP_SUFFIX)
         try:
-            with open(tmp, "wb") as f:
+            # owner-only: KV holds users' context (M5.9)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(MAGIC + struct.pack(">I", len(header)) + header)
                 f.write(payload)
             os.replace(tmp, path)
