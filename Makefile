@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch; a bare `torch` would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test,mooncake]"
+	# Mooncake's wheel links libibverbs even for TCP; without it the Mooncake tests skip (with the reason).
+	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)) \
+	  || echo "note: install libibverbs1 (Debian/Ubuntu) to run the Mooncake backends"; }
 	touch $(STAMP)
 
 setup: $(STAMP)
