@@ -108,7 +108,7 @@ def make_cache(total_mb: int) -> tuple[list[LayerSpec], dict[int, tuple[torch.Te
 
 def manifest_for(specs: list[LayerSpec], cache_id: str) -> Manifest:
     return Manifest.build(cache_id=cache_id, request_id=cache_id, tenant="bench", fingerprint="bench",
-                          token_ids=range(TOKENS), layer_specs=specs, codec="none", frame_tokens=256, ttl_s=600)
+                          token_ids=range(TOKENS), layer_specs=specs, codec="none", ttl_s=600)
 
 
 class Bench:

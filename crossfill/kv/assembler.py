@@ -197,7 +197,7 @@ class Assembly:
                 raise self._refuse(Reason.SINK_ERROR, f"decode side could not import frame {seq}: {exc}") from exc
             self.checksums[seq] = frame.checksum
             self.raw_bytes += frame.raw_len
-            self.wire_bytes += len(frame.payload)
+            self.wire_bytes += frame.payload_len
             self.counters.add("frames_accepted")
             self.progress.set()
             fut.set_result(None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from crossfill.engine.types import LayerKVChunk
-from crossfill.kv.codecs import encode_kv, parse_codec, raw_size
+from crossfill.kv.codecs import encode_kv_parts, parse_codec, raw_size
 from crossfill.kv.errors import KVError
 from crossfill.kv.wire import Frame, LayerEntry, Manifest, make_frame
 
@@ -98,9 +98,13 @@ class FrameCutter:
 
 
 def encode_piece(manifest: Manifest, piece: FramePiece) -> Frame:
-    """Encode one frame-slot piece with the manifest's codec and checksum it."""
+    """Encode one frame-slot piece with the manifest's codec and checksum it.
+
+    The frame may view the piece's tensors (codec none/bf16 of bf16 KV...): they are pinned by
+    the frame until it is no longer needed.
+    """
     e = manifest.layer(piece.layer)
     assert e is not None
-    payload = encode_kv(parse_codec(manifest.codec), piece.k, piece.v)
+    payload = encode_kv_parts(parse_codec(manifest.codec), piece.k, piece.v)
     raw = raw_size(piece.end - piece.start, e.num_kv_heads, e.head_dim, e.torch_dtype)
     return make_frame(piece.seq, piece.layer, piece.start, piece.end, manifest.codec, raw, payload)

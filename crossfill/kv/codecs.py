@@ -115,7 +115,7 @@ def resolve_compression(enabled: bool, mode: str, codec: str) -> tuple[CodecSpec
 # --- sizes -----------------------------------------------------------------------------------
 
 def _elsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def raw_size(tokens: int, heads: int, dim: int, dtype: torch.dtype) -> int:
@@ -230,9 +230,15 @@ def _quantise(spec: CodecSpec, x: torch.Tensor, granularity: str) -> list[memory
     return [_as_bytes(scale.to(torch.float32)), _as_bytes(data)]
 
 
-def _take(buf: bytes | memoryview, offset: int, count: int, dtype: torch.dtype,
+def _take(buf: bytes | bytearray | memoryview, offset: int, count: int, dtype: torch.dtype,
           shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over buf[offset:]: in place when the buffer is writable (the receiver owns it),
+    else a copy (torch tensors must not alias immutable bytes)."""
     n = count * _elsize(dtype)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    if not memoryview(buf).readonly:
+        return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset).view(dtype).reshape(shape)
     arr = np.frombuffer(buf, dtype=np.uint8, count=n, offset=offset).copy()
     return torch.from_numpy(arr).view(dtype).reshape(shape)
 
@@ -260,8 +266,12 @@ def _dequantise(spec: CodecSpec, buf: bytes | memoryview, offset: int, granulari
 
 # --- public API ------------------------------------------------------------------------------
 
-def encode_kv(spec: CodecSpec | str, k: torch.Tensor, v: torch.Tensor) -> bytes:
-    """Encode one (K, V) pair of shape [tokens, kv_heads, head_dim] into a payload."""
+def encode_kv_parts(spec: CodecSpec | str, k: torch.Tensor, v: torch.Tensor) -> list[bytes | memoryview]:
+    """Encode one (K, V) pair of shape [tokens, kv_heads, head_dim] into payload parts.
+
+    Without a lossless stage the parts are views of the (quantised) tensors, not copies: the
+    caller must keep K and V unchanged until the parts are sent.
+    """
     spec = parse_codec(spec) if isinstance(spec, str) else spec
     if k.shape != v.shape or k.dim() != 3:
         raise CodecError(f"K and V must share a [tokens, heads, dim] shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -269,7 +279,14 @@ def encode_kv(spec: CodecSpec | str, k: torch.Tensor, v: torch.Tensor) -> bytes:
         raise CodecError(f"K and V must share a dtype, got {k.dtype} and {v.dtype}")
     parts = _quantise(spec, k.detach().cpu(), spec.key_granularity())
     parts += _quantise(spec, v.detach().cpu(), spec.value_granularity())
-    return _compress(spec.compressor, b"".join(parts))
+    if spec.compressor is None:
+        return list(parts)
+    return [_compress(spec.compressor, b"".join(parts))]
+
+
+def encode_kv(spec: CodecSpec | str, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """Encode one (K, V) pair of shape [tokens, kv_heads, head_dim] into one payload (a copy)."""
+    return b"".join(encode_kv_parts(spec, k, v))
 
 
 def decode_kv(spec: CodecSpec | str, payload: bytes | memoryview, tokens: int, heads: int, dim: int,

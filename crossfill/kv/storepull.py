@@ -122,7 +122,7 @@ class _StoreTransfer(OutgoingTransfer):
                 else encode_piece(self.m, piece)
             self.checksums[frame.seq] = frame.checksum
             self.raw_bytes += frame.raw_len
-            self.wire_bytes += len(frame.payload)
+            self.wire_bytes += frame.payload_len
             await self.slots.acquire()  # bounded puts in flight: backpressure on a slow store
             task = asyncio.create_task(self._put_frame(f"{prefix}{frame.seq}", frame.body()))
             self.pending.add(task)

@@ -31,6 +31,7 @@ from crossfill.kv.assembler import Assembly, Counters, Expectation, Sink
 from crossfill.kv.backend import OutgoingTransfer, ReceiveBackend, TransferBackend, TransferStats
 from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
 from crossfill.kv.errors import Reason, TransferError, WireError
+from crossfill.kv.streamio import MessageStream
 from crossfill.kv.wire import (
     MAX_MANIFEST_BYTES,
     Frame,
@@ -101,8 +102,8 @@ class KVReceiver(ReceiveBackend):
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> KVReceiver:
-        self._server = await asyncio.start_server(self._handle, self.host, self._port, ssl=self.tls,
-                                                  limit=_STREAM_LIMIT)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _ServerStream(self), self.host, self._port, ssl=self.tls)
         return self
 
     async def close(self) -> None:
@@ -206,44 +207,42 @@ class KVReceiver(ReceiveBackend):
         return self._transfers.get(cache_id) or self._finished.get(cache_id)
 
     # -- one stream -----------------------------------------------------------------------
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, stream: MessageStream) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._conns.add(task)
         try:
-            await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, OSError):
+            await self._serve(stream)
+        except (ConnectionError, ssl.SSLError, OSError):
             pass  # the sender reconnects and resends what we did not answer
         finally:
             self._conns.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            stream.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, stream: MessageStream) -> None:
         bound: Assembly | None = None
-        limit = MAX_MANIFEST_BYTES
         while True:
             try:
-                kind, _, body = await read_message(reader, limit)
-            except asyncio.IncompleteReadError:
-                return
+                item = await stream.next()
             except WireError as exc:
                 # The stream cannot be resynchronised after a bad envelope: say why and hang up.
                 self._counters.refuse(exc.reason)
-                writer.write(answer(MsgType.FRAME_ACK, exc.reason, text=exc.message))
+                stream.write(answer(MsgType.FRAME_ACK, exc.reason, text=exc.message))
                 return
+            if item is None:
+                return
+            kind, _, body = item
             if kind is MsgType.MANIFEST:
-                bound, reply = self._on_manifest(body)
+                bound, reply = self._on_manifest(bytes(body))
                 if bound is not None and bound.manifest is not None:
-                    limit = max(MAX_MANIFEST_BYTES, max_frame_body(bound.manifest))
-                writer.write(reply)
+                    stream.limit = max(MAX_MANIFEST_BYTES, max_frame_body(bound.manifest))
+                stream.write(reply)
             elif kind is MsgType.FRAME:
-                writer.write(await self._on_frame(bound, body))
+                stream.write(await self._on_frame(bound, body))
             elif kind is MsgType.FRAME_REF:
-                writer.write(await self._on_frame_ref(bound, body))
+                stream.write(await self._on_frame_ref(bound, bytes(body)))
             elif kind is MsgType.COMMIT:
-                writer.write(await self._on_commit(bound, body))
+                stream.write(await self._on_commit(bound, bytes(body)))
             elif kind is MsgType.ABORT:
                 if bound is not None:
                     bound.fail(Reason.ABORTED, "sender aborted: " + body.decode(errors="replace")[:200])
@@ -251,8 +250,8 @@ class KVReceiver(ReceiveBackend):
             else:
                 self._counters.refuse(Reason.MALFORMED)
                 return
-            if writer.transport.get_write_buffer_size() > (1 << 20):
-                await writer.drain()
+            if stream.transport is not None and stream.transport.get_write_buffer_size() > (1 << 20):
+                await stream.drain()
 
     def _on_manifest(self, body: bytes) -> tuple[Assembly | None, bytes]:
         try:
@@ -280,7 +279,7 @@ class KVReceiver(ReceiveBackend):
         self._counters.refuse(Reason.MALFORMED)
         return answer(MsgType.FRAME_ACK, Reason.MALFORMED, 0, "this receiver takes frames inline, not by reference")
 
-    async def _on_frame(self, bound: Assembly | None, body: bytes) -> bytes:
+    async def _on_frame(self, bound: Assembly | None, body: bytes | bytearray) -> bytes:
         seq = struct.unpack_from("!I", body)[0] if len(body) >= 4 else 0
         if bound is None:
             self._counters.refuse(Reason.UNKNOWN_CACHE_ID)
@@ -311,6 +310,18 @@ class KVReceiver(ReceiveBackend):
             return answer(MsgType.COMMIT_ACK, Reason.INCOMPLETE, text=f"{len(missing)} frames missing",
                           missing=missing[:16000])
         return answer(MsgType.COMMIT_ACK, Reason.OK)
+
+
+class _ServerStream(MessageStream):
+    """One accepted stream; its consumer task runs the receiver's protocol."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        super().__init__(MAX_MANIFEST_BYTES)
+        self.receiver = receiver
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        asyncio.get_running_loop().create_task(self.receiver._handle(self))
 
 
 # =============================================================================================
@@ -444,7 +455,7 @@ class _TcpTransfer(OutgoingTransfer):
             self._raise_if_failed()
             self.frames[frame.seq] = frame
             self.raw_bytes += frame.raw_len
-            self.wire_bytes += len(frame.payload)
+            self.wire_bytes += frame.payload_len
             self.queue.append(frame.seq)
             async with self.cond:
                 self.cond.notify_all()
@@ -619,7 +630,8 @@ class _TcpTransfer(OutgoingTransfer):
                 writer.write(data)
             else:
                 writer.write(frame.wire_header())
-                writer.write(frame.payload)
+                for part in frame.parts:
+                    writer.write(part)
             await writer.drain()
 
     async def _read_answers(self, c: _Conn, reader: asyncio.StreamReader) -> None:

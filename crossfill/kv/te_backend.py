@@ -210,7 +210,7 @@ class _TETransfer(OutgoingTransfer):
                 await asyncio.to_thread(encode_piece, self.m, piece)
             self.checksums[frame.seq] = frame.checksum
             self.raw_bytes += frame.raw_len
-            self.wire_bytes += len(frame.payload)
+            self.wire_bytes += frame.payload_len
             await self._place(frame)
         self.t_last_send = time.monotonic()
 

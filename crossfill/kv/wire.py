@@ -139,7 +139,7 @@ class Manifest:
         codec: str = "none",
         prune_windows: bool = False,
         skip_tokens: int = 0,
-        frame_tokens: int = 256,
+        frame_tokens: int | None = None,
         ttl_s: float = 60.0,
     ) -> Manifest:
         """Manifest for shipping the KV of `token_ids` produced by layers `layer_specs`.
@@ -148,6 +148,8 @@ class Manifest:
         `skip_tokens` leaves out a prefix the receiver already holds (its prefix cache).
         """
         n = len(token_ids)
+        if frame_tokens is None:
+            frame_tokens = auto_frame_tokens(layer_specs)
         entries = []
         for spec in layer_specs:
             start = n - spec.kept_tokens(n) if prune_windows else 0
@@ -270,6 +272,21 @@ class Manifest:
             raise bad(f"frame_count {self.frame_count!r} differs from the layers' sum")
 
 
+TARGET_FRAME_BYTES = 1 << 20
+
+
+def auto_frame_tokens(layer_specs: Sequence[Any]) -> int:
+    """Tokens per frame so the widest layer's frames hold about 1 MiB of raw KV.
+
+    Per-frame costs (an answer, a checksum call, a sink call) are fixed, so frames should be
+    large; but not so large that a retransmission or the last layer's tail costs much.  Power of
+    two between 16 and 4096.
+    """
+    widest = max((s.bytes_per_token for s in layer_specs), default=1)
+    tokens = max(16, min(4096, TARGET_FRAME_BYTES // max(1, widest)))
+    return 1 << (tokens.bit_length() - 1)
+
+
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -286,7 +303,11 @@ def _offsets(layers: Sequence[LayerEntry]) -> list[int]:
 
 @dataclass(frozen=True)
 class Frame:
-    """One encoded piece of one layer's KV."""
+    """One encoded piece of one layer's KV.
+
+    The payload may be several buffers (`parts`) so a sender can write K and V straight from the
+    tensors it owns, without joining them into one copy first.
+    """
 
     seq: int
     layer: int
@@ -295,59 +316,83 @@ class Frame:
     codec: str
     raw_len: int
     checksum: int
-    payload: bytes | memoryview
+    parts: tuple[bytes | memoryview, ...]
+
+    @property
+    def payload_len(self) -> int:
+        return sum(memoryview(p).nbytes for p in self.parts)
+
+    @property
+    def payload(self) -> bytes | memoryview:
+        """The payload as one buffer (no copy when it is a single part)."""
+        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
 
     def header(self) -> bytes:
+        """Frame header, codec name and the zero padding that 8-aligns the payload in the body."""
         codec = self.codec.encode()
+        pad = _pad(len(codec))
         return FRAME_HEADER.pack(self.seq, self.layer, self.start, self.end, self.raw_len,
-                                 len(self.payload), self.checksum, len(codec)) + codec
+                                 self.payload_len, self.checksum, len(codec)) + codec + bytes(pad)
 
     @property
     def wire_len(self) -> int:
-        return ENVELOPE.size + FRAME_HEADER.size + len(self.codec) + len(self.payload)
+        return ENVELOPE.size + len(self.header()) + self.payload_len
 
     def to_bytes(self) -> bytes:
-        return self.wire_header() + bytes(self.payload)
+        return self.wire_header() + b"".join(self.parts)
 
     def body(self) -> bytes:
         """The FRAME body without its envelope (what a store object holds); parse with parse_frame."""
-        return self.header() + bytes(self.payload)
+        return self.header() + b"".join(self.parts)
 
     def wire_header(self) -> bytes:
         """Envelope plus frame header: what precedes the payload on a stream."""
         h = self.header()
-        return envelope(MsgType.FRAME, len(h) + len(self.payload)) + h
+        return envelope(MsgType.FRAME, len(h) + self.payload_len) + h
+
+
+def _pad(codec_len: int) -> int:
+    """Zero bytes after the codec name so the payload starts 8-aligned: the receiver can view it in place."""
+    return -(FRAME_HEADER.size + codec_len) % 8
 
 
 def frame_checksum(seq: int, layer: int, start: int, end: int, raw_len: int, codec: str,
-                   payload: bytes | memoryview) -> int:
+                   parts: Sequence[bytes | memoryview]) -> int:
     """xxh3-64 over the frame's identity fields and payload, so a flipped header bit is caught too."""
     h = xxhash.xxh3_64()
     h.update(struct.pack("!IIIIQ", seq, layer, start, end, raw_len) + codec.encode())
-    h.update(payload)
+    for p in parts:
+        h.update(p)
     return h.intdigest()
 
 
 def make_frame(seq: int, layer: int, start: int, end: int, codec: str, raw_len: int,
-               payload: bytes | memoryview) -> Frame:
+               payload: bytes | memoryview | Sequence[bytes | memoryview]) -> Frame:
+    parts = tuple(payload) if isinstance(payload, list | tuple) else (payload,)
     return Frame(seq, layer, start, end, codec, raw_len,
-                 frame_checksum(seq, layer, start, end, raw_len, codec, payload), payload)
+                 frame_checksum(seq, layer, start, end, raw_len, codec, parts), parts)
 
 
-def parse_frame(body: bytes | memoryview) -> Frame:
-    """Parse a FRAME body (no envelope); checks only the framing, not the manifest."""
+def parse_frame(body: bytes | bytearray | memoryview) -> Frame:
+    """Parse a FRAME body (no envelope); checks only the framing, not the manifest.
+
+    The payload is a view into `body`: pass a bytearray and the decoder can use it in place.
+    """
     mv = memoryview(body)
     if len(mv) < FRAME_HEADER.size:
         raise WireError(Reason.MALFORMED, f"frame body of {len(mv)} bytes is shorter than its header")
     seq, layer, start, end, raw_len, payload_len, checksum, codec_len = FRAME_HEADER.unpack_from(mv)
-    if FRAME_HEADER.size + codec_len + payload_len != len(mv):
+    at = FRAME_HEADER.size + codec_len + _pad(codec_len)
+    if at + payload_len != len(mv):
         raise WireError(Reason.MALFORMED, f"frame {seq}: declared lengths do not add up to the body size")
     codec_b = bytes(mv[FRAME_HEADER.size:FRAME_HEADER.size + codec_len])
+    if any(mv[FRAME_HEADER.size + codec_len:at]):
+        raise WireError(Reason.MALFORMED, f"frame {seq}: padding after the codec name is not zero")
     try:
         codec = codec_b.decode("ascii")
     except UnicodeDecodeError as exc:
         raise WireError(Reason.MALFORMED, f"frame {seq}: codec name is not ASCII") from exc
-    return Frame(seq, layer, start, end, codec, raw_len, checksum, mv[FRAME_HEADER.size + codec_len:])
+    return Frame(seq, layer, start, end, codec, raw_len, checksum, (mv[at:],))
 
 
 def check_frame(manifest: Manifest, frame: Frame) -> LayerEntry:
@@ -369,10 +414,10 @@ def check_frame(manifest: Manifest, frame: Frame) -> LayerEntry:
         raise WireError(Reason.OVERSIZED, f"frame {frame.seq}: raw length {frame.raw_len}, shapes give {expected_raw}")
     limit = max_encoded_size(parse_codec(manifest.codec), tokens, entry.num_kv_heads, entry.head_dim,
                              entry.torch_dtype)
-    if len(frame.payload) > limit:
-        raise WireError(Reason.OVERSIZED, f"frame {frame.seq}: payload {len(frame.payload)} bytes > {limit}")
+    if frame.payload_len > limit:
+        raise WireError(Reason.OVERSIZED, f"frame {frame.seq}: payload {frame.payload_len} bytes > {limit}")
     actual = frame_checksum(frame.seq, frame.layer, frame.start, frame.end, frame.raw_len, frame.codec,
-                            frame.payload)
+                            frame.parts)
     if actual != frame.checksum:
         raise WireError(Reason.CHECKSUM, f"frame {frame.seq}: checksum mismatch (corrupted in transit)")
     return entry
@@ -386,7 +431,7 @@ def max_frame_body(manifest: Manifest) -> int:
         if e.frames:
             biggest = max(biggest, max_encoded_size(spec, min(manifest.frame_tokens, e.end - e.start),
                                                     e.num_kv_heads, e.head_dim, e.torch_dtype))
-    return FRAME_HEADER.size + 255 + biggest
+    return FRAME_HEADER.size + 255 + 8 + biggest
 
 
 # --- commit ----------------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
+import weakref
 
 import pytest
 
@@ -78,24 +80,26 @@ async def test_lossy_codec_shrinks_and_stays_within_bound() -> None:
     assert parse_codec(m.codec).quantiser == "int8"
 
 
-async def test_send_copies_so_prefill_may_reuse_memory_at_once() -> None:
-    """The engine frees/reuses KV blocks after send() returns: the transfer must not read them again."""
+async def test_sender_pins_the_kv_until_the_commit_is_acknowledged() -> None:
+    """The chunk's tensors stay alive (pinned by the frames) until the receiver acknowledged the commit."""
     specs = hybrid_specs(n=2)
     kv = make_kv(specs, TOKENS)
-    original = {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}
     m = build_manifest(specs, TOKENS, frame_tokens=32)
     sink = Collector()
+    expected = {i: (k.clone(), v.clone()) for i, (k, v) in kv.items()}
+    refs = [weakref.ref(t.untyped_storage()) for pair in kv.values() for t in pair]
     async with KVReceiver() as rx:
         _expect(rx, m, sink)
         async with KVSender(rx.endpoint, connections=2).open(m) as tx:
-            for layer, (k, v) in kv.items():
-                for a in range(0, TOKENS, 20):  # partial frames stay buffered across calls
-                    await tx.send(LayerKVChunk(layer, a, k[a:a + 20], v[a:a + 20]))
-                    k[a:a + 20] = float("nan")  # "block reused" right after send() returns
-                    v[a:a + 20] = float("nan")
+            for layer in list(kv):
+                await tx.send(LayerKVChunk(layer, 0, *kv.pop(layer)))  # the transfer now owns the chunk
+            gc.collect()
+            assert all(r() is not None for r in refs)  # pinned while frames may still be resent
             await tx.commit()
+        gc.collect()
+        assert all(r() is None for r in refs)  # released once the commit was acknowledged
         await rx.wait(m.cache_id)
-    assert_identical(m, original, sink)
+    assert_identical(m, expected, sink)
 
 
 async def test_mutual_tls_round_trip_and_rogue_client_refused(tls_files) -> None:

@@ -135,3 +135,14 @@ def test_expiry_is_unix_time() -> None:
     m = build_manifest(hybrid_specs(), tokens=10, ttl_s=-1)
     assert m.is_expired()
     assert not build_manifest(hybrid_specs(), tokens=10).is_expired(time.time())
+
+
+def test_default_frames_hold_about_one_mib() -> None:
+    smollm2 = [LayerSpec(i, "full", None, 3, 64, torch.float32) for i in range(2)]  # 1536 B/token
+    m = Manifest.build(cache_id="c", request_id="r", tenant="t", fingerprint="x", token_ids=range(4096),
+                       layer_specs=smollm2)
+    assert m.frame_tokens == 512
+    assert 0.5 * (1 << 20) <= m.frame_tokens * smollm2[0].bytes_per_token <= (1 << 20)
+    tiny = [LayerSpec(0, "full", None, 1, 1, torch.float16)]
+    assert Manifest.build(cache_id="c", request_id="r", tenant="t", fingerprint="x", token_ids=range(10),
+                          layer_specs=tiny).frame_tokens == 4096
