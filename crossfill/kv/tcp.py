@@ -549,6 +549,9 @@ class _TcpTransfer(OutgoingTransfer):
                 c.last_progress = time.monotonic()
                 writer.write(message(MsgType.MANIFEST, manifest_body(self.m)))
                 c.pending.append(("manifest", -1, 0))
+                # Frames follow the manifest without waiting for its answer (one round trip less
+                # at the start); if it is refused, they are refused too and queued again.
+                c.ready = True
                 reader_task = asyncio.create_task(self._read_answers(c, reader))
                 writer_task = asyncio.create_task(self._write_frames(c, writer))
                 for t in (reader_task, writer_task):
@@ -656,7 +659,6 @@ class _TcpTransfer(OutgoingTransfer):
 
     def _on_manifest_answer(self, c: _Conn, reason: Reason, text: str) -> None:
         if reason is Reason.OK:
-            c.ready = True
             c.failures = 0
         elif reason in (Reason.UNKNOWN_CACHE_ID, Reason.CHECKSUM, Reason.MALFORMED):
             # The decode side may not have registered the cache id yet: retry after a backoff.
