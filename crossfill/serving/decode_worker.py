@@ -72,6 +72,7 @@ class DecodeWorker(WorkerBase):
         self.capacity = cfg.inference_service.decode_pool.max_concurrent_requests
         self.active = 0
         self.receiver: KVReceiver | None = None
+        self._background: set[asyncio.Task[Any]] = set()
         self.http: httpx.AsyncClient | None = None
         self.instances = {i.name: i for i in cfg.instances()}
 
@@ -87,6 +88,8 @@ class DecodeWorker(WorkerBase):
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
 
     async def close(self) -> None:
+        for t in list(self._background):
+            t.cancel()
         if self.receiver is not None:
             await self.receiver.close()
         if self.http is not None:
@@ -242,38 +245,55 @@ class DecodeWorker(WorkerBase):
                               sampling=job.sampling, kv_host=kv_host, kv_port=kv_port,
                               decode_instance=self.inst.name, tenant_id=job.tenant_id, trace_id=job.trace_id)
             t_call = time.perf_counter()
-            kv_task = asyncio.create_task(self.receiver.wait(cache_id))
             t_kv: list[float] = []
-            kv_task.add_done_callback(lambda _t: t_kv.append(time.perf_counter()))
-            pre_task = asyncio.create_task(self._call_prefill(name, pjob, timeout_s))
+
+            async def wait_kv() -> Any:
+                assert self.receiver is not None
+                manifest = await self.receiver.wait(cache_id)
+                t_kv.append(time.perf_counter())  # when the commit verified, not when we noticed
+                return manifest
+
+            kv_task = asyncio.create_task(wait_kv())
+            first_fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            pre_task = asyncio.create_task(self._call_prefill(name, pjob, timeout_s, first_fut))
+            got_both = False
             try:
-                pending: set[asyncio.Task[Any]] = {kv_task, pre_task}
-                while pending:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-                    for t in done:
-                        t.result()  # raises the first failure, which ends the attempt
+                # Done when the KV is verified and the first token is known; the prefill's stream
+                # then runs on to its `done` event in the background (transfer stats).
+                while not (kv_task.done() and first_fut.done()):
+                    waits: set[asyncio.Future[Any]] = set()
+                    if not kv_task.done():
+                        waits.add(kv_task)
+                    if not first_fut.done():
+                        waits |= {first_fut, pre_task}
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if kv_task.done():
+                        kv_task.result()  # raises TransferError
+                    if pre_task.done() and not first_fut.done():
+                        pre_task.result()  # raises AttemptFailed
+                        raise AttemptFailed("prefill stream ended without a first token")
+                got_both = True
             except TransferError as exc:
                 raise AttemptFailed(f"KV transfer failed: {exc}") from None
             finally:
-                for t in (kv_task, pre_task):
-                    if not t.done():
-                        t.cancel()
-                await asyncio.gather(kv_task, pre_task, return_exceptions=True)
-            pre_task_result = pre_task.result()
+                if not got_both:
+                    for t in (kv_task, pre_task):
+                        if not t.done():
+                            t.cancel()
+                    await asyncio.gather(kv_task, pre_task, return_exceptions=True)
+            first_ev = first_fut.result()
             t_kv_done = t_kv[0]
             raw, wire = self.receiver.transfer_bytes(cache_id)
-            p_timings = pre_task_result.get("timings_ms", {})
+            p_timings = first_ev.get("timings_ms", {})
             queue_ms = (t_call - started) * 1000 + p_timings.get("queue", 0.0)
             prefill_ms = p_timings.get("prefill", 0.0)
             transfer_ms = max((t_kv_done - started) * 1000 - queue_ms - prefill_ms, 0.0)
-            kv_stats = pre_task_result.get("kv", {})
-            self._report(name, int(kv_stats.get("wire_bytes", wire)), float(kv_stats.get("duration_s", 0.0)), ok=True,
-                         tail_seconds=float(kv_stats.get("commit_wait_s", 0.0)))
+            self._finish_in_background(pre_task, name, wire)
             self.metrics.transfer.observe(transfer_ms / 1000)
             self.metrics.kv_raw.inc(raw)
             self.metrics.kv_wire.inc(wire)
             ok = True
-            return _Prefilled(handle, int(pre_task_result["first_token_id"]), cache_id, name,
+            return _Prefilled(handle, int(first_ev["first_token_id"]), cache_id, name,
                               {"queue": queue_ms, "prefill": prefill_ms, "transfer": transfer_ms}, raw, wire)
         finally:
             if not ok:
@@ -281,8 +301,26 @@ class DecodeWorker(WorkerBase):
                 with contextlib.suppress(Exception):
                     await asyncio.shield(handle.abort())
 
-    async def _call_prefill(self, name: str, pjob: PrefillJob, timeout_s: float) -> dict[str, Any]:
-        """POST the prefill job and follow its event stream; silence beyond timeout_s fails the attempt."""
+    def _finish_in_background(self, pre_task: asyncio.Task[dict[str, Any]], name: str, wire: int) -> None:
+        """Let the prefill stream reach `done`, then report the transfer to the scheduler."""
+        self._background.add(pre_task)
+
+        def done(t: asyncio.Task[dict[str, Any]]) -> None:
+            self._background.discard(t)
+            if t.cancelled() or t.exception() is not None:
+                return
+            kv_stats = t.result().get("kv", {})
+            self._report(name, int(kv_stats.get("wire_bytes", wire)), float(kv_stats.get("duration_s", 0.0)),
+                         ok=True, tail_seconds=float(kv_stats.get("commit_wait_s", 0.0)))
+
+        pre_task.add_done_callback(done)
+
+    async def _call_prefill(self, name: str, pjob: PrefillJob, timeout_s: float,
+                            first: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+        """POST the prefill job and follow its event stream to `done`, resolving `first` on `first_token`.
+
+        Silence beyond timeout_s (prefill sends heartbeats) fails the attempt.
+        """
         assert self.http is not None
         url = self.cfg.http_url(name) + "/v1/prefill"
         try:
@@ -309,7 +347,11 @@ class DecodeWorker(WorkerBase):
                     if not line:
                         continue
                     ev = json.loads(line)
+                    if ev.get("event") == "first_token" and not first.done():
+                        first.set_result(ev)
                     if ev.get("event") == "done":
+                        if not first.done():
+                            first.set_result(ev)
                         return ev
                     if ev.get("event") == "error":
                         raise AttemptFailed(f"prefill error: {ev.get('message')}", retryable=ev.get("status", 502) >= 500)

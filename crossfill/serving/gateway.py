@@ -55,6 +55,7 @@ class ModelFacts:
         mcfg = load_config(files)
         limit = int(getattr(mcfg, "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(cfg.model.max_model_len or limit, limit)
+        self.vocab_size = int(getattr(mcfg, "vocab_size", 0) or len(self.tokenizer))
         self.name = cfg.model.api_name
 
     def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
@@ -319,6 +320,9 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo", code="unsupported")
         tokens = list(req.prompt) if isinstance(req.prompt, list) else facts.text_tokens(req.prompt)
+        if isinstance(req.prompt, list) and max(tokens) >= facts.vocab_size:
+            raise APIError(400, f"prompt token id {max(tokens)} is outside the vocabulary (size {facts.vocab_size})",
+                           param="prompt", code="invalid_token_id")
         job = gw._job("completion", f"cmpl-{uuid.uuid4().hex[:24]}", req.model, tokens, req, req.max_tokens)
         return await respond(job, request)
 

@@ -1,8 +1,9 @@
 """The prefill worker: runs prefill-only requests and ships each layer's KV to a decode instance.
 
 `POST /v1/prefill` answers with an NDJSON stream: `accepted`, `alive` heartbeats while the request
-waits or computes (so decode can tell a busy prefill from a dead one), then `done` (first token,
-stage timings, KV bytes) or `error`. The KV itself goes on the data plane (crossfill.kv) to the
+waits or computes (so decode can tell a busy prefill from a dead one), `first_token` (with the
+queue/prefill timings) as soon as prefill ends, then `done` once the transfer's commit is
+acknowledged (KV bytes, transfer stats), or `error` at any point. The KV itself goes on the data plane (crossfill.kv) to the
 address decode gave, layer by layer as the engine computes it, so the transfer overlaps prefill.
 
 Backpressure (M5.5): at most `prefill_pool.max_queue_depth` requests are queued or running; the
@@ -103,20 +104,25 @@ class PrefillWorker(WorkerBase):
                     else:
                         out = item
                 t_done = time.perf_counter()
+                assert out is not None, "engine prefill ended without a PrefillOutput"
+                # The first chunk appears after layer 0 of the first prompt chunk: estimate that
+                # layer's time from the rest so queue and prefill split at the real compute start.
+                first = t_first if t_first is not None else t_done
+                per_layer = (t_done - first) / max(layers - 1, 1)
+                start = max(arrived, first - per_layer)
+                timings = {"queue": (start - arrived) * 1000, "prefill": (t_done - start) * 1000}
+                # The first token travels now, beside the last KV frames, not after the commit's
+                # acknowledgement has come back: that saves decode a round trip on the WAN.
+                await events.put({"event": "first_token", "first_token_id": out.first_token_id,
+                                  "timings_ms": timings, "num_cached_tokens": out.num_cached_tokens})
                 stats = await tx.commit()
             t_commit = time.perf_counter()
-            assert out is not None, "engine prefill ended without a PrefillOutput"
-            # The first chunk appears after layer 0 of the first prompt chunk: estimate that layer's
-            # time from the rest so queue and prefill split at the real compute start.
-            first = t_first if t_first is not None else t_done
-            per_layer = (t_done - first) / max(layers - 1, 1)
-            start = max(arrived, first - per_layer)
-            timings = {"queue": (start - arrived) * 1000, "prefill": (t_done - start) * 1000,
-                       "commit_wait": (t_commit - t_done) * 1000}
+            timings["commit_wait"] = (t_commit - t_done) * 1000
             self.metrics.prefill.observe(t_done - start)
-            log.info("prefill %s cache=%s tokens=%d cached=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s",
+            log.info("prefill %s cache=%s tokens=%d cached=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s%s",
                      job.request_id, job.cache_id, len(job.prompt_token_ids), out.num_cached_tokens,
-                     timings["prefill"], stats.raw_bytes, stats.wire_bytes, job.decode_instance)
+                     timings["prefill"], stats.raw_bytes, stats.wire_bytes, job.decode_instance,
+                     f" trace={job.trace_id}" if job.trace_id else "")
             await events.put({"event": "done", "first_token_id": out.first_token_id, "timings_ms": timings,
                               "num_cached_tokens": out.num_cached_tokens, "kv": stats.as_dict()})
         except asyncio.CancelledError:

@@ -2,10 +2,17 @@
 
 It keeps a live picture of the cluster (per-instance health, readiness and queue depth from
 `GET /v1/admin/stats`, per-link latency from those same probes, which cross the emulated WAN for
-remote instances, and bandwidth from the transfers decode reports) and answers `POST /v1/route`
+remote instances, and each link's bandwidth) and answers `POST /v1/route`
 by running the pure policy `crossfill.policy.decide` over a snapshot of it. An instance that
 fails `serving.health_check_failures` probes in a row stops receiving traffic; it gets traffic
 again as soon as a probe succeeds.
+
+Bandwidth: routing checks `network.min_bandwidth_gbps` against the link's declared capacity (its
+`bandwidth_gbps` in the topology), which an operator or an external monitor can change at run time
+with `POST /v1/admin/links/{datacenter}`. The goodput of real transfers, which decode reports, is
+shown beside it but does not drive routing: KV is sent layer by layer while prefill computes and
+written into decode's engine between its steps, so a transfer's rate is usually the prefill's or
+the decode engine's, not the link's, and using it would wrongly declare fast links slow.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
+from pydantic import Field
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.policy import InstanceState, LinkState, NoRoute, RouteRequest, Snapshot, decide
@@ -30,7 +38,7 @@ from crossfill.serving.protocol import RouteMsg, RouteQuery, _Msg
 log = logging.getLogger("crossfill.scheduler")
 
 _EWMA = 0.3  # weight of the newest sample in latency/bandwidth estimates
-_MIN_BW_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency, not bandwidth
+_MIN_BW_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency, not goodput
 
 
 @dataclass
@@ -52,7 +60,8 @@ class _Link:
     datacenter: str
     configured_gbps: float
     latency_ms: float | None = None
-    bandwidth_gbps: float | None = None
+    bandwidth_gbps: float | None = None  # capacity used by routing: declared, or set via the admin API
+    goodput_gbps: float | None = None  # observed on real transfers (information only, see module doc)
     up: bool = True
     transfers_ok: int = 0
     transfers_failed: int = 0
@@ -66,6 +75,10 @@ class TransferReport(_Msg):
     ok: bool
 
 
+class LinkUpdate(_Msg):
+    bandwidth_gbps: float = Field(gt=0)
+
+
 class ClusterState:
     """What the scheduler knows; every field is updated by probes or reports, read by snapshot()."""
 
@@ -77,7 +90,7 @@ class ClusterState:
         for dc in cfg.topology.datacenters:
             link = cfg.link_to_local(dc)
             if link is not None:
-                self.links[dc] = _Link(dc, link.bandwidth_gbps)
+                self.links[dc] = _Link(dc, link.bandwidth_gbps, bandwidth_gbps=link.bandwidth_gbps)
         self.rounds = 0
 
     async def probe(self, client: httpx.AsyncClient, t: _Tracked) -> None:
@@ -126,15 +139,9 @@ class ClusterState:
             link.transfers_failed += 1
             return
         link.transfers_ok += 1
-        # Layer-wise sending overlaps prefill: when compute was the bottleneck the transfer's rate is
-        # the prefill's, not the link's. Only transfers whose tail shows the link held them back
-        # (at least half the time spent after the last layer was handed over) measure bandwidth.
-        link_bound = r.tail_seconds >= 0.5 * r.seconds
-        if r.wire_bytes >= _MIN_BW_SAMPLE_BYTES and r.seconds > 0 and link_bound:
-            # Subtract one one-way latency: the first byte's flight is not bandwidth.
-            flight = (link.latency_ms or 0) / 1000
-            gbps = r.wire_bytes * 8 / max(r.seconds - flight, 1e-4) / 1e9
-            link.bandwidth_gbps = gbps if link.bandwidth_gbps is None else (1 - _EWMA) * link.bandwidth_gbps + _EWMA * gbps
+        if r.wire_bytes >= _MIN_BW_SAMPLE_BYTES and r.seconds > 0:
+            gbps = r.wire_bytes * 8 / r.seconds / 1e9
+            link.goodput_gbps = gbps if link.goodput_gbps is None else (1 - _EWMA) * link.goodput_gbps + _EWMA * gbps
 
     def snapshot(self) -> Snapshot:
         states = []
@@ -164,7 +171,8 @@ class ClusterState:
             },
             "links": {
                 dc: {"up": lk.up, "latency_ms": lk.latency_ms, "bandwidth_gbps": lk.bandwidth_gbps,
-                     "configured_bandwidth_gbps": lk.configured_gbps, "transfers_ok": lk.transfers_ok,
+                     "configured_bandwidth_gbps": lk.configured_gbps, "goodput_gbps": lk.goodput_gbps,
+                     "transfers_ok": lk.transfers_ok,
                      "transfers_failed": lk.transfers_failed}
                 for dc, lk in self.links.items()
             },
@@ -231,6 +239,17 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     async def report(request: Request) -> dict[str, bool]:
         state.report_transfer(await parse_body(request, TransferReport))
         return {"ok": True}
+
+    @app.post("/v1/admin/links/{datacenter}")
+    async def set_link(datacenter: str, request: Request) -> dict[str, object]:
+        body = await parse_body(request, LinkUpdate)
+        link = state.links.get(datacenter)
+        if link is None:
+            raise APIError(404, f"no link from {datacenter!r} to {state.local}; links: {sorted(state.links)}",
+                           param="datacenter", code="unknown_link")
+        link.bandwidth_gbps = body.bandwidth_gbps
+        log.warning("link %s: bandwidth set to %g Gbit/s by the admin API", datacenter, body.bandwidth_gbps)
+        return state.as_dict()["links"][datacenter]  # type: ignore[index]
 
     @app.get("/v1/admin/cluster")
     async def cluster() -> dict[str, object]:

@@ -115,6 +115,8 @@ def test_bad_input_names_the_field(cluster, client: openai.OpenAI) -> None:
         (post("/v1/chat/completions", {**chat, "prefill_policy": "sometimes"}), 400, "prefill_policy", None),
         (post("/v1/chat/completions", {**chat, "stream": True, "max_tokens": -3}), 400, "max_tokens", None),
         (post("/v1/completions", {"model": "tiny", "prompt": "x" * 30000}), 400, "prompt", "context_length_exceeded"),
+        (post("/v1/completions", {"model": "tiny", "prompt": [1, 2, 10**6]}), 400, "prompt", "invalid_token_id"),
+        (post("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}), 400, "prompt", None),
         (post("/v1/generate", {"max_tokens": 3}), 400, "prompt", "missing_field"),
         (post("/v1/generate", {"prompt": "hi", "stream": "yes"}), 400, "stream", None),
         (httpx.get(url + "/v1/nothing-here"), 404, None, "not_found"),

@@ -35,6 +35,22 @@ def test_slow_link_keeps_long_prompts_local_and_says_why(cluster) -> None:
     assert route_of(generate(cluster.url, LONG))["route"] == "remote"
 
 
+def test_link_below_min_bandwidth_keeps_long_prompts_local(cluster) -> None:
+    sched = cluster.cfg.topology.scheduler
+    admin = f"http://{sched.host}:{sched.port}/v1/admin/links/far"
+    assert httpx.post(admin, json={"bandwidth_gbps": 0.1}, timeout=5).json()["bandwidth_gbps"] == 0.1
+    try:
+        info = route_of(generate(cluster.url, LONG))
+        assert info["route"] == "local" and "min_bandwidth_gbps" in info["degradation_reason"]
+        r = generate(cluster.url, SHORT, "remote_required")
+        assert r.status_code == 503 and "min_bandwidth_gbps" in r.json()["error"]["message"]
+    finally:
+        httpx.post(admin, json={"bandwidth_gbps": 1.0}, timeout=5)
+    assert route_of(generate(cluster.url, LONG))["route"] == "remote"
+    bad = httpx.post(admin, json={"bandwidth_gbps": "fast"}, timeout=5)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bandwidth_gbps"
+
+
 def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(cluster) -> None:
     kv_link = cluster.emulator_control("here-decode-0", "kv")
     arm(kv_link, stall_ms=1000)  # the request is in flight to the remote prefill when it dies
