@@ -62,7 +62,7 @@ def _plain_server(sock: socket.socket) -> None:
             conn.sendall(b"k")
 
 
-def _receiver_main(pipe, pki: dict[str, str], emu_bandwidth: str, emu_latency: str) -> None:
+def _receiver_main(pipe, pki: dict[str, str], emu_bandwidth: str, emu_latency: str, te_bytes: int) -> None:
     async def run() -> None:
         from crossfill.net.linkemu import LinkEmulator
 
@@ -75,8 +75,21 @@ def _receiver_main(pipe, pki: dict[str, str], emu_bandwidth: str, emu_latency: s
         emu_plain = LinkEmulator(upstream=plain.getsockname(), bandwidth=emu_bandwidth, latency=emu_latency)
         await emu_kv.start()
         await emu_plain.start()
-        pipe.send({"kv": rx.port, "kv_tls": rx_tls.port, "plain": plain.getsockname()[1],
-                   "emu_kv": emu_kv.listen_port, "emu_plain": emu_plain.listen_port})
+        ports = {"kv": rx.port, "kv_tls": rx_tls.port, "plain": plain.getsockname()[1],
+                 "emu_kv": emu_kv.listen_port, "emu_plain": emu_plain.listen_port}
+        receivers = {"kv": rx, "kv_tls": rx_tls}
+        try:  # Mooncake Transfer Engine: a raw buffer for the baseline and a TE backend receiver
+            from crossfill.kv.mooncake_te import MooncakeTransferEngine
+            from crossfill.kv.te_backend import TEReceiver
+
+            te = MooncakeTransferEngine()
+            raw = te.allocate(te_bytes)
+            rx_te = await TEReceiver(te).start()
+            receivers["kv_te"] = rx_te
+            ports.update(te_raw=te.describe(raw).to_json(), kv_te=rx_te.port)
+        except Exception as exc:  # the optional extra is missing: the section is skipped
+            ports["te_error"] = f"{type(exc).__name__}: {exc}"
+        pipe.send(ports)
         loop = asyncio.get_running_loop()
         waits: set[asyncio.Task[object]] = set()
         while True:
@@ -84,7 +97,7 @@ def _receiver_main(pipe, pki: dict[str, str], emu_bandwidth: str, emu_latency: s
             if cmd[0] == "stop":
                 break
             _, which, cache_id = cmd
-            target = rx_tls if which == "kv_tls" else rx
+            target = receivers[which]
             target.expect(cache_id, lambda chunk: None, timeout_ms=30_000)
             t = asyncio.create_task(target.wait(cache_id))
             waits.add(t)
@@ -118,7 +131,8 @@ class Bench:
         self.pki = {k: str(v) for k, v in write_dev_pki(Path(self.tmp.name)).items()}
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_receiver_main, args=(child, self.pki, args.emu_bandwidth, args.emu_latency),
+        self.proc = ctx.Process(target=_receiver_main, args=(child, self.pki, args.emu_bandwidth, args.emu_latency,
+                                                                     args.mb << 20),
                                 daemon=True)
         self.proc.start()
         self.ports = self.pipe.recv()
@@ -140,15 +154,25 @@ class Bench:
                 raise RuntimeError("plain baseline: no acknowledgement")
         return time.perf_counter() - t0
 
+    def te_raw(self, engine, src, nbytes: int) -> float:
+        """Baseline: one Mooncake TE write of the same bytes into the receiver's registered buffer."""
+        from crossfill.kv.mooncake_te import BufferDescriptor
+
+        dest = BufferDescriptor.from_json(self.ports["te_raw"])
+        t0 = time.perf_counter()
+        engine.write(src, dest, nbytes)
+        return time.perf_counter() - t0
+
     async def kv(self, which: str, port: int, specs, kv, tls: bool = False, compute_s: float = 0.0,
-                 after_prefill: bool = False) -> tuple[float, float]:
+                 after_prefill: bool = False, sender=None) -> tuple[float, float]:
         """Return (seconds open->commit acknowledged, seconds last layer produced->commit acknowledged)."""
         self.n += 1
         cache_id = f"bench-{self.n}"
         self.pipe.send(("expect", which, cache_id))
         assert self.pipe.recv() == "ready"
         ctx = client_context(self.pki["ca"], self.pki["client_cert"], self.pki["client_key"]) if tls else None
-        sender = KVSender(("127.0.0.1", port), tls=ctx, connections=self.args.connections, timeout_ms=30_000)
+        sender = sender or KVSender(("127.0.0.1", port), tls=ctx, connections=self.args.connections,
+                                    timeout_ms=30_000)
         m = manifest_for(specs, cache_id)
         t0 = time.perf_counter()
         async with sender.open(m) as tx:
@@ -190,12 +214,26 @@ async def amain(args: argparse.Namespace) -> None:
         print("\n2. TLS overhead")
         print(f"   crossfill TCP + mTLS : {gp['tls']:8.0f} MB/s   = {gp['tls'] / gp['kv']:.2f}x without TLS "
               f"({(1 - gp['tls'] / gp['kv']) * 100:.0f}% overhead)")
-        print("\n3. Mooncake Transfer Engine (TCP)")
-        try:
-            import crossfill.kv.mooncake_te  # noqa: F401
-            print("   wrapper present; comparison not wired into this bench yet")
-        except ImportError:
-            print("   skipped: crossfill/kv/mooncake_te.py is not available")
+        print("\n3. Mooncake Transfer Engine (TCP), same bytes")
+        if "te_error" in b.ports:
+            print(f"   skipped: {b.ports['te_error']}")
+        else:
+            from crossfill.kv.mooncake_te import MooncakeTransferEngine
+            from crossfill.kv.te_backend import TESender
+
+            engine = MooncakeTransferEngine()
+            src = engine.register(bytearray(blob))
+            te_raw_t, te_kv_t = [], []
+            for _ in range(args.runs):
+                te_raw_t.append(b.te_raw(engine, src, nbytes))
+                te_kv_t.append((await b.kv("kv_te", b.ports["kv_te"], specs, kv,
+                                           sender=TESender(("127.0.0.1", b.ports["kv_te"]), engine,
+                                                           timeout_ms=30_000)))[0])
+            te_raw, te_kv = nbytes / med(te_raw_t) / 1e6, nbytes / med(te_kv_t) / 1e6
+            print(f"   raw TE write         : {te_raw:8.0f} MB/s")
+            print(f"   crossfill TE backend : {te_kv:8.0f} MB/s   (verified frames over TE)")
+            print(f"   crossfill TCP        : {gp['kv']:8.0f} MB/s   = {gp['kv'] / te_raw:.2f}x raw TE (target >= 1.0x)")
+            engine.close()
 
         if args.skip_emu:
             return

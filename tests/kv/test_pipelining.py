@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_tail_after_last_layer_is_about_one_layer_plus_a_round_trip() -> None:
-    layers, tokens = 8, 256
+    layers, tokens = 16, 256
     specs = [LayerSpec(i, "full", None, 2, 64, torch.float32) for i in range(layers)]
     kv = make_kv(specs, tokens)
     m = build_manifest(specs, tokens, frame_tokens=128)
@@ -42,9 +42,10 @@ async def test_tail_after_last_layer_is_about_one_layer_plus_a_round_trip() -> N
         await rx.wait(m.cache_id)
     assert_identical(m, kv, sink)
     rtt = 2 * one_way
-    # Expected ~ layer_tx + rtt (~46 ms); the whole cache alone would need whole_tx + rtt (~230 ms).
+    # Expected ~ layer_tx + rtt (~46 ms); the whole cache alone would need whole_tx + rtt (~440 ms).
+    # Bounds are loose because the test machine is shared; the benchmark reports the real numbers.
     print(f"tail {tail * 1e3:.1f} ms, one layer {layer_tx * 1e3:.1f} ms, RTT {rtt * 1e3:.0f} ms, "
           f"whole cache {whole_tx * 1e3:.0f} ms")
-    assert tail < 2.0 * (layer_tx + rtt), f"tail {tail * 1e3:.0f} ms vs one layer {layer_tx * 1e3:.0f} ms + RTT"
-    assert tail < 0.5 * (whole_tx + rtt)
+    assert tail < 3.0 * (layer_tx + rtt), f"tail {tail * 1e3:.0f} ms vs one layer {layer_tx * 1e3:.0f} ms + RTT"
+    assert tail < 0.4 * (whole_tx + rtt)
     assert stats.commit_wait_s <= tail + 0.01
