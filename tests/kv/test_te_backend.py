@@ -76,3 +76,56 @@ async def test_refusals_and_plain_tcp_receiver_reject_frame_refs(engines) -> Non
         plain.expect(m.cache_id, Collector())
         with pytest.raises(TransferError):  # a TCP receiver gives no TE region: the sender cannot start
             await _send(TESender(plain.endpoint, send_engine, max_retry=0), m, kv)
+
+
+_RECEIVER_PROCESS = """
+import asyncio, hashlib, sys
+import torch
+from crossfill.kv.mooncake_te import MooncakeTransferEngine
+from crossfill.kv.te_backend import TEReceiver
+
+async def main():
+    seen = {}
+    def sink(chunk):
+        seen[(chunk.layer, chunk.start)] = chunk
+    async with TEReceiver(MooncakeTransferEngine(), region_bytes=1 << 20) as rx:
+        rx.expect(sys.argv[1], sink, fingerprint=sys.argv[2])
+        print(rx.port, flush=True)
+        await rx.wait(sys.argv[1])
+    h = hashlib.sha256()
+    for key in sorted(seen):
+        h.update(seen[key].k.numpy().tobytes() + seen[key].v.numpy().tobytes())
+    print(len(seen), h.hexdigest(), flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_between_two_processes(engines) -> None:
+    """The receiver in another process (its own Mooncake TE engine): KV arrives bit-identical."""
+    import asyncio
+    import hashlib
+    import sys
+
+    from crossfill.kv.te_backend import TESender
+
+    send_engine, _ = engines
+    specs = hybrid_specs(n=4, heads=2, dim=32)
+    kv = make_kv(specs, TOKENS)
+    m = build_manifest(specs, TOKENS, cache_id="two-process")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _RECEIVER_PROCESS, m.cache_id, FINGERPRINT,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        port = int((await asyncio.wait_for(proc.stdout.readline(), 60)).decode())
+        stats = await _send(TESender(("127.0.0.1", port), send_engine), m, kv)
+        frames, digest = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().split()
+    finally:
+        if proc.returncode is None:
+            await asyncio.wait_for(proc.wait(), 30)
+    expected = hashlib.sha256()
+    for seq in range(m.frame_count):
+        entry, start, end = m.slot(seq)
+        k, v = kv[entry.index]
+        expected.update(k[start:end].numpy().tobytes() + v[start:end].numpy().tobytes())
+    assert int(frames) == m.frame_count == stats.frames
+    assert digest == expected.hexdigest()
