@@ -79,7 +79,21 @@ def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int,
                              f"KV over the link ({wire / max(layers, 1):,.0f} B) {layer_ms:.1f} ms + one round trip "
                              f"{2 * lk.latency_ms:.0f} ms = {predicted:.0f} ms (the rest: queue "
                              f"{t['queue']:.0f} ms, first decode {t['first_decode']:.0f} ms)")
+    full = _unpruned_kv_bytes(cfg, long_tokens)
+    if full:
+        notes.append(f"long prompt KV without window pruning (every layer keeps every token, fp32): {full:,} B")
     return out + [""] + notes
+
+
+def _unpruned_kv_bytes(cfg: CrossfillConfig, tokens: int) -> int:
+    """K+V bytes of `tokens` tokens if every layer kept all of them, from the model's config."""
+    from crossfill.models import load_config as load_model_config
+    from crossfill.models import resolve_model
+
+    mc = load_model_config(resolve_model(cfg.model.name, pull=False))
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+    return int(mc.num_hidden_layers * 2 * kv_heads * head_dim * 4 * tokens)
 
 
 def _num_layers(cfg: CrossfillConfig) -> int:
