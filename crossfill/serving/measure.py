@@ -58,6 +58,7 @@ def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int,
               f"{'1st dec':>7} {'KV raw':>11} {'KV wire':>11} {'ratio':>5}")
     out += ["", header, "-" * len(header)]
     notes = []
+    long_prompt_tokens = long_tokens
     for label, n in (("short", short_tokens), ("long", long_tokens)):
         prompt = make_prompt(cfg, n)
         for policy in ("local_only", "remote_required"):
@@ -66,6 +67,8 @@ def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int,
             t = {k: statistics.median(r["timings_ms"].get(k, 0.0) for r in runs)
                  for k in ("first_token", "queue", "prefill", "transfer", "first_decode")}
             raw, wire = runs[-1]["kv_raw_bytes"], runs[-1]["kv_wire_bytes"]
+            if label == "long":
+                long_prompt_tokens = runs[-1]["prompt_tokens"]
             route = runs[-1]["route"]
             out.append(f"{label:>6} {runs[-1]['prompt_tokens']:>6} {route:>6} {t['first_token']:>6.0f}ms "
                        f"{t['queue']:>5.0f}ms {t['prefill']:>6.0f}ms {t['transfer']:>6.0f}ms "
@@ -79,9 +82,9 @@ def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int,
                              f"KV over the link ({wire / max(layers, 1):,.0f} B) {layer_ms:.1f} ms + one round trip "
                              f"{2 * lk.latency_ms:.0f} ms = {predicted:.0f} ms (the rest: queue "
                              f"{t['queue']:.0f} ms, first decode {t['first_decode']:.0f} ms)")
-    full = _unpruned_kv_bytes(cfg, long_tokens)
+    full = _unpruned_kv_bytes(cfg, long_prompt_tokens)
     if full:
-        notes.append(f"long prompt KV without window pruning (every layer keeps every token, fp32): {full:,} B")
+        notes.append(f"long prompt ({long_prompt_tokens} tokens) KV without window pruning (every layer keeps every token, fp32): {full:,} B")
     return out + [""] + notes
 
 
