@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -55,4 +54,14 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tiny_llama_dir: Path, tmp_path: P
             raise AssertionError(f"port {port} still answers after crossfill up stopped")
         except httpx.ConnectError:
             pass
-    time.sleep(0)
+
+
+
+def test_serve_with_an_unknown_instance_names_the_known_ones() -> None:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "crossfill.cli", "serve", "prefill", "--config",
+                          str(root / "examples/two-dc.yaml"), "--instance", "nope"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "no instance named 'nope'" in out.stdout and "dc-remote-prefill-0" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
