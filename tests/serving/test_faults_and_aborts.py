@@ -87,3 +87,27 @@ def test_prefill_waiting_in_the_engine_is_aborted_when_decode_gives_up(cluster) 
     assert r.json()["crossfill"]["retries"] == 2
     wait_idle(cluster, WORKERS)
     assert generate(cluster.url, SHORT, "remote_required").status_code == 200
+
+
+def test_many_clients_leaving_at_once_in_every_stage_free_all_kv(cluster) -> None:
+    """Requests queued behind others in the engines, prefilling, in transfer and decoding, all abandoned."""
+    import threading
+
+    def leave_early(i: int) -> None:
+        body = {"prompt": f"client {i}. " + LONG * 2, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": i % 2 == 0, "prefill_policy": ["auto", "local_only", "remote_required"][i % 3]}
+        try:
+            with httpx.stream("POST", cluster.url + "/v1/generate", json=body,
+                              timeout=httpx.Timeout(0.15 + 0.05 * i, connect=5)) as s:
+                for _ in s.iter_lines():
+                    pass
+        except httpx.HTTPError:
+            pass  # the point: the client gave up
+
+    threads = [threading.Thread(target=leave_early, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    wait_idle(cluster, WORKERS, timeout=20)
+    assert generate(cluster.url, SHORT).status_code == 200
