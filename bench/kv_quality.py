@@ -28,6 +28,7 @@ import copy
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -129,6 +130,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     torch.manual_seed(0)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' cache-argument renames
     data = json.loads(PROMPTS.read_text())["prompts"]
     by_kind: dict[str, list[dict]] = {}
     for p in data:
