@@ -8,7 +8,8 @@ and receiver do not share one interpreter lock):
 1. loopback: built-in transfer (codec none) vs a plain Python socket `sendall` of the same bytes
    to a `recv_into` loop: goodput and ratio (target >= 0.8x).
 2. TLS overhead: the same transfer with mutual TLS vs without.
-3. Mooncake Transfer Engine (TCP), when crossfill/kv/mooncake_te.py and its wheel are available.
+3. (numbered 6, run last) Mooncake Transfer Engine (TCP), when its wheel is available: one raw
+   TE write of the same bytes, the TE backend, and the built-in TCP transfer against raw TE.
 4. through the link emulator at 1 Gbit/s and 20 ms one way: goodput as % of the emulated
    bandwidth (target >= 90%), beside plain `sendall` through the same link.
 5. layer-wise pipelining through the same link: time from the last layer produced to commit
@@ -214,28 +215,30 @@ async def amain(args: argparse.Namespace) -> None:
         print("\n2. TLS overhead")
         print(f"   crossfill TCP + mTLS : {gp['tls']:8.0f} MB/s   = {gp['tls'] / gp['kv']:.2f}x without TLS "
               f"({(1 - gp['tls'] / gp['kv']) * 100:.0f}% overhead)")
-        print("\n3. Mooncake Transfer Engine (TCP), same bytes")
-        if "te_error" in b.ports:
-            print(f"   skipped: {b.ports['te_error']}")
-        else:
-            from crossfill.kv.mooncake_te import MooncakeTransferEngine
-            from crossfill.kv.te_backend import TESender
+        # Mooncake TE last: a crash inside its C++ engine must not take the other sections with it.
+        async def te_section() -> None:
+            print("\n6. Mooncake Transfer Engine (TCP), same bytes")
+            if "te_error" in b.ports:
+                print(f"   skipped: {b.ports['te_error']}")
+            else:
+                from crossfill.kv.mooncake_te import MooncakeTransferEngine
+                from crossfill.kv.te_backend import TESender
 
-            engine = MooncakeTransferEngine()
-            src = engine.register(bytearray(blob))
-            te_raw_t, te_kv_t = [], []
-            for _ in range(args.runs):
-                te_raw_t.append(b.te_raw(engine, src, nbytes))
-                te_kv_t.append((await b.kv("kv_te", b.ports["kv_te"], specs, kv,
-                                           sender=TESender(("127.0.0.1", b.ports["kv_te"]), engine,
-                                                           timeout_ms=30_000)))[0])
-            te_raw, te_kv = nbytes / med(te_raw_t) / 1e6, nbytes / med(te_kv_t) / 1e6
-            print(f"   raw TE write         : {te_raw:8.0f} MB/s")
-            print(f"   crossfill TE backend : {te_kv:8.0f} MB/s   (verified frames over TE)")
-            print(f"   crossfill TCP        : {gp['kv']:8.0f} MB/s   = {gp['kv'] / te_raw:.2f}x raw TE (target >= 1.0x)")
-            engine.close()
+                engine = MooncakeTransferEngine()
+                src = engine.register(bytearray(blob))
+                te_raw_t, te_kv_t = [], []
+                for _ in range(args.runs):
+                    te_raw_t.append(b.te_raw(engine, src, nbytes))
+                    te_kv_t.append((await b.kv("kv_te", b.ports["kv_te"], specs, kv,
+                                               sender=TESender(("127.0.0.1", b.ports["kv_te"]), engine,
+                                                               timeout_ms=30_000)))[0])
+                te_raw, te_kv = nbytes / med(te_raw_t) / 1e6, nbytes / med(te_kv_t) / 1e6
+                print(f"   raw TE write         : {te_raw:8.0f} MB/s")
+                print(f"   crossfill TE backend : {te_kv:8.0f} MB/s   (verified frames over TE)")
+                print(f"   crossfill TCP        : {gp['kv']:8.0f} MB/s   = {gp['kv'] / te_raw:.2f}x raw TE (target >= 1.0x)")
 
         if args.skip_emu:
+            await te_section()
             return
         emu_specs, emu_kv = make_cache(args.emu_mb)
         emu_bytes = sum(k.numel() * 4 * 2 for k, _ in emu_kv.values())
@@ -266,6 +269,7 @@ async def amain(args: argparse.Namespace) -> None:
               f"(one layer + RTT = {(layer_tx + rtt) * 1e3:.1f} ms)")
         print(f"   tail, whole cache after  : {med(tails_after) * 1e3:7.1f} ms")
         print(f"   pipelining cuts the tail by {med(tails_after) / med(tails_pipe):.1f}x")
+        await te_section()
     finally:
         b.close()
 
