@@ -40,7 +40,8 @@ class MessageStream(asyncio.BufferedProtocol):
         self._ready: collections.deque[Message | WireError | None] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._queued = 0
-        self._paused = False
+        self._paused = False  # reading paused: too many bytes wait for the consumer
+        self._held = False  # reading paused: an envelope waits for the consumer to raise the limit
         self._closed = False
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -91,6 +92,12 @@ class MessageStream(asyncio.BufferedProtocol):
             try:
                 kind, reason, body_len = self._envelope(self._start)
             except WireError as exc:
+                if exc.reason is Reason.OVERSIZED and self._ready:
+                    # The limit may rise once the consumer has read the messages before this one
+                    # (a manifest sets the frame size): hold this envelope until they are consumed.
+                    self._held = True
+                    self._pause()
+                    return
                 self._push(exc)
                 if self.transport is not None:
                     self.transport.pause_reading()  # the stream is lost; the consumer answers and closes
@@ -129,9 +136,9 @@ class MessageStream(asyncio.BufferedProtocol):
         self._ready.append(item)
         if isinstance(item, tuple):
             self._queued += len(item[2])
-            if self._queued > _PAUSE_BYTES and not self._paused and self.transport is not None:
+            if self._queued > _PAUSE_BYTES and not self._paused:
                 self._paused = True
-                self.transport.pause_reading()
+                self._pause()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -139,6 +146,11 @@ class MessageStream(asyncio.BufferedProtocol):
     async def next(self) -> Message | None:
         """The next message, None at the end of the stream; raises WireError for a broken envelope."""
         while not self._ready:
+            if self._held:  # everything before the held envelope is consumed: look at it again
+                self._held = False
+                self._parse()
+                self._maybe_resume()
+                continue
             self.flush()  # never sit on answers while waiting for more input
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
@@ -150,10 +162,18 @@ class MessageStream(asyncio.BufferedProtocol):
             self._ready.appendleft(None)  # stays at the end
             return None
         self._queued -= len(item[2])
-        if self._paused and self._queued < _RESUME_BYTES and self.transport is not None and not self._closed:
+        if self._paused and self._queued < _RESUME_BYTES:
             self._paused = False
-            self.transport.resume_reading()
+            self._maybe_resume()
         return item
+
+    def _pause(self) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.pause_reading()
+
+    def _maybe_resume(self) -> None:
+        if not (self._paused or self._held) and self.transport is not None and not self._closed:
+            self.transport.resume_reading()
 
     def write(self, data: bytes) -> None:
         """Queue an answer; answers go out together when no further message is waiting (flush),

@@ -9,13 +9,25 @@ import time
 import weakref
 
 import pytest
+import torch
 
-from crossfill.engine.types import LayerKVChunk
+from crossfill.engine.types import LayerKVChunk, LayerSpec
+from crossfill.kv.chunker import FrameCutter, encode_piece
 from crossfill.kv.codecs import parse_codec
 from crossfill.kv.errors import Reason, TransferError
 from crossfill.kv.tcp import KVReceiver, KVSender, parse_endpoint
 from crossfill.kv.tls import TLSConfigError, client_context, server_context
-from crossfill.kv.wire import MsgType, make_frame, manifest_body, message, token_digest
+from crossfill.kv.wire import (
+    MAX_MANIFEST_BYTES,
+    MsgType,
+    make_frame,
+    manifest_body,
+    max_frame_body,
+    message,
+    parse_answer,
+    read_message,
+    token_digest,
+)
 from crossfill.net.linkemu import LinkEmulator
 
 from .helpers import (
@@ -352,3 +364,22 @@ def test_endpoint_and_option_errors() -> None:
     with pytest.raises(ValueError, match="port"):
         KVSender("127.0.0.1:70000")
     assert parse_endpoint("[::1]:80") == ("::1", 80)
+
+
+async def test_large_frame_right_behind_the_manifest_is_accepted() -> None:
+    """The read limit is raised by the manifest; a 2 MiB frame arriving in the same read must wait for it."""
+    specs = [LayerSpec(0, "full", None, 4, 64, torch.float32)]
+    kv = make_kv(specs, 1024)
+    m = build_manifest(specs, 1024, frame_tokens=1024)
+    assert max_frame_body(m) > MAX_MANIFEST_BYTES
+    sink = Collector()
+    async with KVReceiver() as rx:
+        rx.expect(m.cache_id, sink)
+        frame = encode_piece(m, FrameCutter(m).cut(LayerKVChunk(0, 0, *kv[0]))[0])
+        reader, writer = await asyncio.open_connection("127.0.0.1", rx.port)
+        writer.write(message(MsgType.MANIFEST, manifest_body(m)) + frame.to_bytes())
+        await writer.drain()
+        answers = [parse_answer(*(await read_message(reader, 1 << 20))) for _ in range(2)]
+        writer.close()
+    assert [a.reason for a in answers] == [Reason.OK, Reason.OK]
+    assert sink.calls == 1
