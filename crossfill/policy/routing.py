@@ -39,8 +39,11 @@ class InstanceState:
     datacenter: str
     healthy: bool = True  # answered its recent health checks
     ready: bool = True  # warm and serving (/readyz)
-    queue_depth: int = 0  # prefill: requests queued or running; decode: active requests
+    queue_depth: int = 0  # prefill: requests queued or running; decode: active requests (last probe)
     capacity: int = 1  # prefill: max_queue_depth; decode: max_concurrent_requests
+    # Requests routed to it since that probe. They spread load between probes but do not refuse:
+    # most have finished already, and the instance enforces its own limit with a 429.
+    pending: int = 0
 
     @property
     def available(self) -> bool:
@@ -110,7 +113,7 @@ def link_health(link: LinkState | None, config: InferenceServiceConfig) -> tuple
 
 def _least_loaded(cands: list[InstanceState]) -> InstanceState:
     # Ties break by name so the choice is deterministic (tests and the simulator rely on it).
-    return min(cands, key=lambda s: (s.queue_depth / max(s.capacity, 1), s.queue_depth, s.name))
+    return min(cands, key=lambda s: ((s.queue_depth + s.pending) / max(s.capacity, 1), s.queue_depth, s.name))
 
 
 def decide(request: RouteRequest, snapshot: Snapshot, config: InferenceServiceConfig) -> Route:

@@ -190,6 +190,7 @@ class DecodeWorker(WorkerBase):
         kv = self.cfg.inference_service.kv_cache
         candidates = [job.route.prefill, *job.route.fallbacks]
         failures: list[str] = []
+        statuses: list[int] = []
         for idx, name in enumerate(candidates):
             if name not in self.instances or self.instances[name].role != "prefill":
                 failures.append(f"{name}: not a prefill instance")
@@ -199,6 +200,7 @@ class DecodeWorker(WorkerBase):
                     got = await self._attempt(job, params, name, started)
                 except AttemptFailed as exc:
                     failures.append(f"{name}: {exc.reason}")
+                    statuses.append(exc.status)
                     info.retries += 1
                     self.metrics.retries.inc()
                     log.warning("decode %s: KV from %s failed (%s)", job.request_id, name, exc.reason)
@@ -217,6 +219,11 @@ class DecodeWorker(WorkerBase):
                         log.warning("decode %s: FALLBACK %s", job.request_id, reason)
                     info.degradation_reason = "; ".join(r for r in (info.degradation_reason, reason) if r)
                 return got
+        if statuses and all(st == 429 for st in statuses):
+            # Every prefill refused for a full queue: backpressure, not a failure. Say when to retry.
+            self.metrics.errors.labels("prefill_queue_full").inc()
+            raise APIError(429, "every prefill instance on the route has a full queue: " + "; ".join(failures),
+                           code="prefill_queue_full", retry_after=self.cfg.serving.retry_after_s)
         self.metrics.errors.labels("kv_transfer_failed").inc()
         policy_note = ("" if self.cfg.inference_service.routing.fallback_to_local_on_failure
                        else " (fallback_to_local_on_failure is false)")
@@ -334,7 +341,8 @@ class DecodeWorker(WorkerBase):
                         msg = body[:200].decode(errors="replace")
                     # A full or unready instance will not take it on retry either: move on.
                     raise AttemptFailed(f"prefill answered HTTP {resp.status_code}: {msg}",
-                                        retryable=resp.status_code >= 500 and resp.status_code != 503)
+                                        retryable=resp.status_code >= 500 and resp.status_code != 503,
+                                        status=resp.status_code)
                 lines = resp.aiter_lines()
                 while True:
                     try:

@@ -148,8 +148,8 @@ class ClusterState:
         for t in self.workers.values():
             states.append(InstanceState(
                 name=t.inst.name, role=t.inst.role, datacenter=t.inst.datacenter,  # type: ignore[arg-type]
-                healthy=t.healthy, ready=t.ready, queue_depth=t.queue_depth + t.routed_since_probe,
-                capacity=t.capacity))
+                healthy=t.healthy, ready=t.ready, queue_depth=t.queue_depth, capacity=t.capacity,
+                pending=t.routed_since_probe))
         links = tuple(LinkState(dc, bandwidth_gbps=lk.bandwidth_gbps, latency_ms=lk.latency_ms, up=lk.up)
                       for dc, lk in self.links.items())
         return Snapshot(self.local, tuple(states), links)

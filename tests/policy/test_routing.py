@@ -127,3 +127,14 @@ def test_unknown_policy_is_400() -> None:
     with pytest.raises(NoRoute) as e:
         decide(RouteRequest(10, "sometimes"), snap(), CFG)  # type: ignore[arg-type]
     assert e.value.status == 400
+
+
+def test_pending_routes_spread_load_but_do_not_refuse() -> None:
+    s = Snapshot("here", instances=(
+        InstanceState("here-prefill-0", "prefill", "here", queue_depth=0, capacity=4, pending=6),
+        InstanceState("here-prefill-1", "prefill", "here", queue_depth=1, capacity=4, pending=0),
+        InstanceState("here-decode-0", "decode", "here", capacity=2, pending=5),
+    ))
+    assert decide(RouteRequest(10), s, CFG).prefill == "here-prefill-1"
+    only = Snapshot("here", instances=(s.instances[0], s.instances[2]))
+    assert decide(RouteRequest(10), only, CFG).prefill == "here-prefill-0"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+import time
 
 import httpx
 from helpers import LONG, SHORT, arm, disarm, generate, set_link, wait_idle
@@ -52,33 +54,39 @@ def test_link_below_min_bandwidth_keeps_long_prompts_local(cluster) -> None:
 
 
 def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(cluster) -> None:
-    kv_link = cluster.emulator_control("here-decode-0", "kv")
-    arm(kv_link, stall_ms=1000)  # the request is in flight to the remote prefill when it dies
+    # Hold the prefill request on the WAN (below timeout_ms, so decode still waits for it), kill the
+    # remote prefill meanwhile: the request arrives at a dead instance.
+    http_link = cluster.emulator_control("far-prefill-0", "http")
+    decode_stats = cluster.worker_url("here-decode-0") + "/v1/admin/stats"
+    arm(http_link, stall_ms=1000)
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=generate(cluster.url, LONG, max_tokens=8)))
     t.start()
     try:
-        cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["queue_depth"] >= 1, timeout=5)
+        deadline = time.monotonic() + 5
+        while httpx.get(decode_stats, timeout=5).json()["queue_depth"] < 1:  # decode is waiting for it
+            assert time.monotonic() < deadline, "the request never reached decode"
+            time.sleep(0.02)
         cluster.child("far-prefill-0").proc.send_signal(signal.SIGKILL)
         t.join(30)
         assert not t.is_alive(), "request hung after its prefill instance died"
+        info = route_of(result["r"])
+        assert info["route"] == "local" and info["prefill_instance"] == "here-prefill-0"
+        assert info["retries"] >= 1 and "fell back to local prefill" in info["degradation_reason"]
+        metrics = httpx.get(cluster.worker_url("here-decode-0") + "/metrics", timeout=5).text
+        assert 'crossfill_fallbacks_total{reason="prefill_failed"}' in metrics
+
+        # Health checks take it out of routing: auto degrades visibly, remote_required refuses clearly.
+        cluster.wait_scheduler(lambda v: not v["instances"]["far-prefill-0"]["healthy"])
+        info = route_of(generate(cluster.url, LONG))
+        assert info["route"] == "local" and "no healthy remote prefill" in info["degradation_reason"]
+        r = generate(cluster.url, SHORT, "remote_required")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.json()["error"]["code"] == "no_remote_prefill"
     finally:
-        disarm(kv_link)
-    info = route_of(result["r"])
-    assert info["route"] == "local" and info["prefill_instance"] == "here-prefill-0"
-    assert info["retries"] >= 1 and "fell back to local prefill" in info["degradation_reason"]
-    metrics = httpx.get(cluster.worker_url("here-decode-0") + "/metrics", timeout=5).text
-    assert 'crossfill_fallbacks_total{reason="prefill_failed"}' in metrics
-
-    # Health checks take it out of routing: auto degrades visibly, remote_required refuses clearly.
-    cluster.wait_scheduler(lambda v: not v["instances"]["far-prefill-0"]["healthy"])
-    info = route_of(generate(cluster.url, LONG))
-    assert info["route"] == "local" and "no healthy remote prefill" in info["degradation_reason"]
-    r = generate(cluster.url, SHORT, "remote_required")
-    assert r.status_code == 503 and r.headers["retry-after"]
-    assert r.json()["error"]["code"] == "no_remote_prefill"
-
-    cluster.restart("far-prefill-0")
+        disarm(http_link)
+        if cluster.child("far-prefill-0").proc.poll() is not None:
+            cluster.restart("far-prefill-0")
     cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["healthy"]
                            and v["instances"]["far-prefill-0"]["ready"])
     assert route_of(generate(cluster.url, LONG))["route"] == "remote"
@@ -120,3 +128,20 @@ def test_readiness_and_metrics_endpoints(cluster) -> None:
         assert httpx.get(url + "/readyz", timeout=5).json()["ready"] is True
     text = httpx.get(cluster.url + "/metrics", timeout=5).text
     assert "crossfill_ttft_seconds_bucket" in text
+
+
+def test_decode_at_max_concurrent_requests_answers_429(cluster) -> None:
+    body = {"prompt": SHORT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True,
+            "prefill_policy": "local_only"}
+    with httpx.Client(timeout=30) as client, contextlib.ExitStack() as open_streams:
+        for _ in range(8):  # decode_pool.max_concurrent_requests of the test cluster
+            s = open_streams.enter_context(client.stream("POST", cluster.url + "/v1/generate", json=body))
+            assert s.status_code == 200
+        cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["queue_depth"] >= 8, timeout=5)
+        r = generate(cluster.url, SHORT)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "decode_full" and r.headers["retry-after"] == "1"
+    wait_idle(cluster, WORKERS)
+    cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["queue_depth"] == 0)
+    r = generate(cluster.url, SHORT)
+    assert r.status_code == 200, r.text
