@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import launch_cluster
-from helpers import LONG, SHORT
+from serving_cluster import launch_cluster
+from serving_helpers import LONG, SHORT
 
 from crossfill.engine.llm import LLM
 from crossfill.engine.sampling import SamplingParams
@@ -77,17 +77,19 @@ def test_decode_batches_requests_whose_kv_came_from_different_prefill_instances(
     """A local-prefilled and a remote-prefilled request decode together and each keeps its own output."""
     import threading
 
-    alone = {p: served_tokens(cluster.url, LONG, p, False, 200)[0] for p in ("local_only", "remote_required")}
+    alone = {p: served_tokens(cluster.url, LONG, p, False, 400)[0] for p in ("remote_required", "local_only")}
     results: dict[str, tuple[list[int], dict]] = {}
     peak = [0]
-    threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, served_tokens(cluster.url, LONG, p,
-                                                                                         True, 200)))
-               for p in alone]
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
+    threads = {p: threading.Thread(target=lambda p=p: results.__setitem__(p, served_tokens(cluster.url, LONG, p,
+                                                                                            True, 400)))
+               for p in alone}
+    threads["remote_required"].start()
+    while cluster.kv("here-decode-0")["active_requests"] < 1:  # the remote one holds decode blocks
+        pass
+    threads["local_only"].start()
+    while any(t.is_alive() for t in threads.values()):
         peak[0] = max(peak[0], cluster.kv("here-decode-0")["active_requests"])
-    for t in threads:
+    for t in threads.values():
         t.join()
     assert peak[0] == 2, "the two requests never decoded in the same batch"
     for policy, (tokens, _info) in results.items():

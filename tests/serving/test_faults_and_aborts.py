@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from helpers import LONG, SHORT, arm, disarm, generate, wait_idle
+from serving_helpers import LONG, SHORT, arm, disarm, generate, wait_idle
 
 WORKERS = ["here-prefill-0", "here-decode-0", "far-prefill-0"]
 KV_LINK = ("here-decode-0", "kv")  # the remote prefill's KV path into decode, through the emulator

@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from helpers import LONG, SHORT
+from serving_helpers import LONG, SHORT
 
 ALL_WORKERS = ["here-prefill-0", "here-decode-0", "far-prefill-0"]
 

@@ -8,7 +8,7 @@ import threading
 import time
 
 import httpx
-from helpers import LONG, SHORT, arm, disarm, generate, set_link, wait_idle
+from serving_helpers import LONG, SHORT, arm, disarm, generate, set_link, wait_idle
 
 WORKERS = ["here-prefill-0", "here-decode-0", "far-prefill-0"]
 

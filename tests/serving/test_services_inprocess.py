@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from conftest import cluster_config, free_port_block
 from fastapi.testclient import TestClient
+from serving_cluster import cluster_config, free_port_block
 
 from crossfill.config import parse_config
 from crossfill.serving.prefill_worker import create_prefill_app

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import yaml
-from conftest import cluster_config, free_port_block
-from helpers import SHORT, generate
+from serving_cluster import cluster_config, free_port_block
+from serving_helpers import SHORT, generate
 
 
 def test_up_serves_and_stops_cleanly_on_ctrl_c(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -1,0 +1,158 @@
+"""A real two-datacenter cluster of processes on 127.0.0.1 with a tiny random-weight model.
+
+Started with the same code `crossfill up` uses (one process per role plus the WAN emulators), so
+tests can also kill and restart single instances. Ports are picked free at start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from crossfill.config import CrossfillConfig, load_config
+from crossfill.serving.up import Child, start_children, stop_children, wait_ready
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports (checked by binding each)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65000:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
+    svc = {
+        "mode": "prefill_decode_disaggregated",
+        "routing": {"long_context_threshold_tokens": 64, "prefer_remote_prefill": True,
+                    "fallback_to_local_on_failure": True},
+        "prefill_pool": {"replicas": 1, "resource_class": "high_compute", "max_queue_depth": 4,
+                         "warmup_before_serving": True},
+        "decode_pool": {"replicas": 1, "resource_class": "high_bandwidth", "max_concurrent_requests": 8},
+        "kv_cache": {"compression_enabled": True, "compression_mode": "hybrid_attention", "checksum_enabled": True,
+                     "timeout_ms": 1500, "max_retry": 1},
+        "network": {"min_bandwidth_gbps": 0.5, "max_latency_ms": 50, "isolated_transport_queue": True},
+        "observability": {"metrics_enabled": True, "tracing_enabled": True, "log_level": "info"},
+    }
+    for key, value in overrides.items():
+        svc[key] = {**svc[key], **value} if isinstance(value, dict) else value  # type: ignore[dict-item]
+    return {
+        "inference_service": svc,
+        "model": {"name": str(model_dir), "served_name": "tiny", "max_num_seqs": 8},
+        "resource_classes": {"high_compute": {"torch_threads": 1, "kv_memory_mb": 16},
+                             "high_bandwidth": {"torch_threads": 1, "kv_memory_mb": 16}},
+        "serving": {"health_check_interval_ms": 200, "health_check_failures": 2, "startup_timeout_s": 120},
+        "topology": {
+            "local_datacenter": "here",
+            "gateway": {"port": base},
+            "scheduler": {"port": base + 1},
+            "datacenters": {
+                "here": {"prefill": {"port": base + 2}, "decode": {"port": base + 3, "kv_port": base + 4}},
+                "far": {"prefill": {"port": base + 5}},
+            },
+            "links": [{"between": ["far", "here"], "bandwidth_gbps": 1.0, "latency_ms": 5,
+                       "emulator_port_base": base + 10}],
+        },
+    }
+
+
+@dataclass
+class Cluster:
+    cfg: CrossfillConfig
+    path: Path
+    children: list[Child]
+
+    @property
+    def url(self) -> str:
+        gw = self.cfg.topology.gateway
+        return f"http://{gw.host}:{gw.port}"
+
+    def worker_url(self, name: str) -> str:
+        return self.cfg.instance(name).url
+
+    def emulator_control(self, target: str, kind: str) -> str:
+        for c in self.cfg.crossings():
+            if c.target == target and c.kind == kind:
+                return f"http://{c.listen_host}:{c.control_port}"
+        raise KeyError((target, kind))
+
+    def kv(self, name: str) -> dict:
+        return httpx.get(self.worker_url(name) + "/v1/admin/kv", timeout=5).json()
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def restart(self, name: str) -> None:
+        """Start instance `name` again after a test killed it, and wait until it is ready."""
+        inst = self.cfg.instance(name)
+        old = self.child(name)
+        args = [sys.executable, "-m", "crossfill.cli", "serve", inst.role, "--config", str(self.path),
+                "--instance", name]
+        new = Child(name, subprocess.Popen(args, start_new_session=True), inst.url + "/readyz")
+        self.children[self.children.index(old)] = new
+        assert wait_ready([new], 60, [False]) is None
+
+    def wait_scheduler(self, predicate, timeout: float = 15.0) -> dict:
+        """Poll the scheduler's cluster view until `predicate(view)` holds."""
+        sched = self.cfg.topology.scheduler
+        deadline = time.monotonic() + timeout
+        view: dict = {}
+        while time.monotonic() < deadline:
+            view = httpx.get(f"http://{sched.host}:{sched.port}/v1/admin/cluster", timeout=5).json()
+            if predicate(view):
+                return view
+            time.sleep(0.1)
+        raise AssertionError(f"scheduler never reached the expected state: {view}")
+
+
+@contextlib.contextmanager
+def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memory_mb: int = 16,
+                   **overrides: object) -> Iterator[Cluster]:
+    """Start a whole cluster (same code path as `crossfill up`), yield it, stop every process."""
+    base = free_port_block(120)
+    doc = cluster_config(Path(model), base, **overrides)
+    doc["model"] = {"name": model, "served_name": served_name, "max_num_seqs": 8}
+    for rc in doc["resource_classes"].values():
+        rc["kv_memory_mb"] = kv_memory_mb
+    path = tmp_dir / "cluster.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cfg = load_config(path)
+    children = start_children(cfg, str(path))
+    try:
+        why = wait_ready(children, 300, [False])
+        assert why is None, why
+        c = Cluster(cfg, path, children)
+        # Remote instances are reached through the emulator: wait until the scheduler saw all healthy.
+        c.wait_scheduler(lambda v: all(i["healthy"] and i["ready"] for i in v["instances"].values()))
+        yield c
+    finally:
+        stop_children(children)
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with launch_cluster(str(tiny_llama_dir), tmp_path_factory.mktemp("cluster")) as c:
+        yield c
