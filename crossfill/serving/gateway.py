@@ -146,9 +146,8 @@ class Gateway:
     async def submit(self, job: _Job) -> tuple[RouteInfo, AsyncIterator[dict[str, Any]], dict[str, Any]]:
         """Route and start `job`; returns (initial route info, remaining events, the first event)."""
         assert self.http is not None
-        if not self.readiness.ready:
-            raise APIError(503, f"the gateway is not ready: {self.readiness.reason}", code="not_ready",
-                           retry_after=self.cfg.serving.retry_after_s)
+        # No refusal on our own /readyz (it mirrors the scheduler's with a lag): the scheduler
+        # answers for the cluster's state at this moment.
         f = job.fields
         trace_id = f.trace_id or (uuid.uuid4().hex if self.tracing else None)
         query = {"request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 import time
@@ -145,3 +146,25 @@ def test_decode_at_max_concurrent_requests_answers_429(cluster) -> None:
     cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["queue_depth"] == 0)
     r = generate(cluster.url, SHORT)
     assert r.status_code == 200, r.text
+
+
+def test_decode_dying_mid_stream_ends_the_stream_with_an_explicit_error(cluster) -> None:
+    body = {"prompt": SHORT, "max_tokens": 1800, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", cluster.url + "/v1/generate", json=body, timeout=30) as s:
+            assert s.status_code == 200
+            lines = s.iter_lines()
+            for line, _ in zip(lines, range(4), strict=False):
+                assert line.startswith("data: {") or not line
+            cluster.child("here-decode-0").proc.send_signal(signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["code"] == "decode_failed" and err["type"] == "upstream_error"
+    finally:
+        if cluster.child("here-decode-0").proc.poll() is not None:
+            cluster.restart("here-decode-0")
+    cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["healthy"]
+                           and v["instances"]["here-decode-0"]["ready"])
+    assert route_of(generate(cluster.url, LONG))["route"] == "remote"
+    wait_idle(cluster, WORKERS)
