@@ -180,6 +180,8 @@ class AsyncEngine:
         engine = self.engine
         while not self._stopped:
             self._run_commands()
+            for out in engine.take_pending():  # e.g. an import's first token: don't wait for a step
+                self._deliver(out)
             if not engine.has_unfinished():
                 self._wake.wait(0.05)
                 self._wake.clear()

@@ -225,6 +225,11 @@ class LLMEngine:
         self._pending.append(self._output(seq, [], ""))
         return True
 
+    def take_pending(self) -> list[RequestOutput]:
+        """Outputs produced between steps (a committed import's first token, aborts), without a step."""
+        outputs, self._pending = self._pending, []
+        return outputs
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._pending)
 
