@@ -36,7 +36,8 @@ KV = make_kv(SPECS, TOKENS, seed=7)
 
 
 def _valid_stream(codec: str) -> tuple[object, list, bytes]:
-    m = build_manifest(SPECS, TOKENS, codec=codec, frame_tokens=16, cache_id=f"fuzz-{codec}")
+    # Built at import time: a long TTL so a slow full-suite run does not expire them before use.
+    m = build_manifest(SPECS, TOKENS, codec=codec, frame_tokens=16, cache_id=f"fuzz-{codec}", ttl_s=3600.0)
     cutter = FrameCutter(m)
     frames = []
     for s in SPECS:
