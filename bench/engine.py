@@ -66,18 +66,21 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights, activations and KV dtype for both crossfill and transformers")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    results: dict[str, float | str] = {"model": args.model, "threads": args.threads}
+    dtype = getattr(torch, args.dtype)
+    results: dict[str, float | str] = {"model": args.model, "threads": args.threads, "dtype": args.dtype}
 
     # Start times: cold = dequantise from a fresh cache; cached = load the cached safetensors.
     files = models.resolve_model(args.model)
     t0 = time.perf_counter()
-    engine = LLMEngine.from_model(args.model, EngineConfig(kv_memory_mb=768, max_num_batched_tokens=2048))
+    engine = LLMEngine.from_model(args.model, EngineConfig(kv_memory_mb=768, max_num_batched_tokens=2048, dtype=dtype))
     results["start_cached_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(files.path, dtype=dtype).eval()
     results["hf_load_s"] = time.perf_counter() - t0
 
     vocab = engine.vocab_size
