@@ -21,11 +21,9 @@ app = typer.Typer(
 _COMMAND_PACKAGES = (
     "crossfill.models",
     "crossfill.engine",
-    "crossfill.kv",
     "crossfill.net",
     "crossfill.planner",
     "crossfill.serving",
-    "crossfill.bench",
 )
 
 for _package in _COMMAND_PACKAGES:
