@@ -168,13 +168,17 @@ class AsyncEngine:
                 self._wake.set()
 
     async def _call(self, fn: Callable[[], Any]) -> Any:
+        return await self._submit(fn)
+
+    def _submit(self, fn: Callable[[], Any]) -> asyncio.Future:
+        """Queue `fn` for the engine thread (FIFO with every other call); its future resolves after it runs."""
         if self._stopped or not self._thread.is_alive():
             raise EngineDeadError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._commands.put((fn, future, loop))
         self._wake.set()
-        return await future
+        return future
 
     def _run(self) -> None:
         engine = self.engine
@@ -227,17 +231,36 @@ class AsyncEngine:
 
 
 class KVImportHandle:
-    """A decode-only request whose KV is arriving; write it, then decode or abort."""
+    """A decode-only request whose KV is arriving; write it, then decode or abort.
+
+    Writes are queued for the engine thread without waiting for them: waiting would cost the
+    transfer up to one engine step per frame while the engine decodes other requests. The queue
+    is FIFO, so every write runs before the commit, and a write's error surfaces at the next
+    write or at `decode`, before any token is produced from incomplete KV.
+    """
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self._engine = engine
         self.request_id = request_id
+        self._writes: list[asyncio.Future] = []
 
     async def write(self, chunk: LayerKVChunk) -> None:
-        await self._engine._call(lambda: self._engine.engine.write_kv(self.request_id, chunk))
+        self._raise_failed_writes()
+        self._writes.append(self._engine._submit(lambda: self._engine.engine.write_kv(self.request_id, chunk)))
+
+    def _raise_failed_writes(self) -> None:
+        pending = []
+        for future in self._writes:
+            if future.done():
+                future.result()  # raises the write's error
+            else:
+                pending.append(future)
+        self._writes = pending
 
     async def decode(self, first_token_id: int) -> AsyncIterator[RequestOutput]:
         eng = self._engine
+        writes, self._writes = self._writes, []
+        await asyncio.gather(*writes)  # every write has run; the first error, if any, is raised here
         stream = eng._open_stream(self.request_id)
         try:
             await eng._call(lambda: eng.engine.commit_import(self.request_id, first_token_id))
@@ -248,6 +271,8 @@ class KVImportHandle:
             yield out
 
     async def abort(self) -> None:
+        writes, self._writes = self._writes, []
+        await asyncio.gather(*writes, return_exceptions=True)  # retrieve their errors: the request is gone
         await self._engine.abort(self.request_id)
 
 

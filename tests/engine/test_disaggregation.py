@@ -6,11 +6,13 @@ import asyncio
 import random
 
 import pytest
-from conftest import make_engine, run_all, tokens_of
+import torch
 
 from crossfill.engine.async_engine import AsyncEngine
 from crossfill.engine.sampling import SamplingParams
 from crossfill.engine.types import LayerKVChunk, NoKVCapacityError
+
+from .helpers import make_engine, run_all, tokens_of
 
 
 def disaggregated(prefill_engine, decode_engine, rid, prompt, params):
@@ -140,3 +142,21 @@ async def test_async_consumer_going_away_aborts_and_frees_kv(tiny_llama_dir):
                 pass
     finally:
         engine.shutdown()
+
+
+async def test_async_import_write_errors_surface_before_any_token(tiny_llama_dir):
+    decode = AsyncEngine(make_engine(tiny_llama_dir))
+    try:
+        prompt = list(range(5, 30))
+        params = SamplingParams(temperature=0, max_tokens=4)
+        handle = await decode.import_kv("bad", prompt, params)
+        spec = decode.layer_specs[0]
+        k = torch.zeros(len(prompt), spec.num_kv_heads, spec.head_dim)
+        await handle.write(LayerKVChunk(99, 0, k, k))  # queued, not awaited: the error comes later
+        with pytest.raises(ValueError, match="layer 99"):
+            async for _ in handle.decode(7):
+                pytest.fail("no token may come from incomplete KV")
+        await handle.abort()
+        assert decode.kv_stats().blocks_used == 0
+    finally:
+        decode.shutdown()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import make_engine, run_all, tokens_of
 
 from crossfill.engine.sampling import SamplingParams
+
+from .helpers import make_engine, run_all, tokens_of
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
