@@ -12,7 +12,6 @@ fit) instead of failing mid-generation.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -476,7 +475,3 @@ class LLMEngine:
             completion_tokens=seq.num_generated,
             num_cached_tokens=seq.num_cached_tokens,
         )
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return math.ceil(tokens / block_size)
