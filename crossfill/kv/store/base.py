@@ -12,6 +12,8 @@ I/O (disk, or Mooncake's C++ client), so asyncio callers wrap calls with `asynci
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -118,3 +120,34 @@ def check_ttl(ttl_s: float | None) -> float | None:
     if ttl_s is not None and not ttl_s > 0:
         raise InvalidArgumentError(f"invalid ttl_s {ttl_s!r}: a time to live must be > 0 seconds (or None)")
     return ttl_s
+
+
+class ExpirySweeper:
+    """Optional background thread that purges expired objects every `interval_s` seconds.
+
+    Both stores expire lazily on access; the sweeper also frees the memory, disk or cluster space
+    of objects nobody reads again.
+    """
+
+    def __init__(self, purge: Callable[[], int], interval_s: float | None, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if interval_s is None:
+            return
+        if not interval_s > 0:
+            raise InvalidArgumentError(f"sweep_interval_s must be > 0 seconds, got {interval_s}")
+        self._purge = purge
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self._purge()
+            except StoreError:
+                return  # the store was closed under us
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from crossfill.kv.store.base import (
     DEFAULT_TENANT,
+    ExpirySweeper,
     InvalidArgumentError,
     ObjectTooLargeError,
     StoreError,
@@ -116,15 +117,7 @@ class EmbeddedStore:
         if self._disk_dir is not None:
             self._disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._load_disk()
-        self._stop = threading.Event()
-        self._sweeper: threading.Thread | None = None
-        if sweep_interval_s is not None:
-            if not sweep_interval_s > 0:
-                raise InvalidArgumentError(f"sweep_interval_s must be > 0 seconds, got {sweep_interval_s}")
-            self._sweeper = threading.Thread(
-                target=self._sweep_loop, args=(sweep_interval_s,), name="kvstore-sweeper", daemon=True
-            )
-            self._sweeper.start()
+        self._sweeper = ExpirySweeper(self.purge_expired, sweep_interval_s, "kvstore-sweeper")
 
     # ------------------------------------------------------------------ KVStore API
 
@@ -205,9 +198,7 @@ class EmbeddedStore:
 
     def close(self) -> None:
         """Stop the sweeper. Disk objects stay for the next run; memory objects are dropped."""
-        self._stop.set()
-        if self._sweeper is not None and self._sweeper is not threading.current_thread():
-            self._sweeper.join(timeout=5)
+        self._sweeper.stop()
         with self._lock:
             self._closed = True
             for entry in self._index.values():
@@ -358,12 +349,6 @@ class EmbeddedStore:
             self._disk_used += size
             heapq.heappush(self._expiry, (expires_at, entry.seq, tenant, key))
 
-    def _sweep_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                self.purge_expired()
-            except StoreError:
-                return
 
 
 def _read_header(f) -> dict:  # noqa: ANN001 - a binary file object

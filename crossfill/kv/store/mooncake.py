@@ -34,6 +34,7 @@ from typing import Any
 
 from crossfill.kv.store.base import (
     DEFAULT_TENANT,
+    ExpirySweeper,
     InvalidArgumentError,
     ObjectTooLargeError,
     StoreError,
@@ -150,15 +151,7 @@ class MooncakeStore:
         self._seq = itertools.count()
         self._counts = dict.fromkeys(("puts", "hits", "misses", "deletes", "evictions", "expirations"), 0)
         self._closed = False
-        self._stop = threading.Event()
-        self._sweeper: threading.Thread | None = None
-        if sweep_interval_s is not None:
-            if not sweep_interval_s > 0:
-                raise InvalidArgumentError(f"sweep_interval_s must be > 0 seconds, got {sweep_interval_s}")
-            self._sweeper = threading.Thread(
-                target=self._sweep_loop, args=(sweep_interval_s,), name="mooncake-sweeper", daemon=True
-            )
-            self._sweeper.start()
+        self._sweeper = ExpirySweeper(self.purge_expired, sweep_interval_s, "mooncake-sweeper")
 
     # ------------------------------------------------------------------ KVStore API
 
@@ -255,9 +248,7 @@ class MooncakeStore:
 
     def close(self) -> None:
         """Stop the sweeper and leave the cluster (this client's segment and its objects go away)."""
-        self._stop.set()
-        if self._sweeper is not None and self._sweeper is not threading.current_thread():
-            self._sweeper.join(timeout=5)
+        self._sweeper.stop()
         with self._lock:
             if not self._closed:
                 self._closed = True
@@ -323,9 +314,3 @@ class MooncakeStore:
                     purged += 1
         return purged
 
-    def _sweep_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
-            try:
-                self.purge_expired()
-            except StoreError:
-                return
