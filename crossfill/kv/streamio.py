@@ -13,10 +13,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
-import xxhash
-
 from crossfill.kv.errors import Reason, WireError
-from crossfill.kv.wire import ENVELOPE, FORMAT_VERSION, MAGIC, MsgType
+from crossfill.kv.wire import ENVELOPE, MsgType, parse_envelope
 
 _SCRATCH = 64 * 1024
 _PAUSE_BYTES = 16 << 20
@@ -116,21 +114,7 @@ class MessageStream(asyncio.BufferedProtocol):
             self._start = self._have = 0
 
     def _envelope(self, at: int) -> tuple[MsgType, int, int]:
-        head = bytes(self._scratch[at:at + ENVELOPE.size])
-        magic, version, kind, reason, body_len, check = ENVELOPE.unpack(head)
-        if magic != MAGIC:
-            raise WireError(Reason.MALFORMED, f"bad magic {magic!r}; not a crossfill KV stream")
-        if xxhash.xxh32_intdigest(head[:-4]) != check:
-            raise WireError(Reason.CHECKSUM, "message envelope checksum mismatch (corrupted in transit)")
-        if version != FORMAT_VERSION:
-            raise WireError(Reason.UNKNOWN_VERSION, f"wire version {version}; this build speaks {FORMAT_VERSION}")
-        try:
-            msg_type = MsgType(kind)
-        except ValueError as exc:
-            raise WireError(Reason.MALFORMED, f"unknown message type {kind}") from exc
-        if body_len > self.limit:
-            raise WireError(Reason.OVERSIZED, f"{msg_type.name} body of {body_len} bytes exceeds the limit {self.limit}")
-        return msg_type, reason, body_len
+        return parse_envelope(bytes(self._scratch[at:at + ENVELOPE.size]), self.limit)
 
     def _push(self, item: Message | WireError | None) -> None:
         self._ready.append(item)

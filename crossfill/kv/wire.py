@@ -514,12 +514,12 @@ def parse_answer(kind: MsgType, reason_code: int, body: bytes) -> Answer:
     return Answer(kind, reason, seq, text, missing)
 
 
-async def read_message(reader: asyncio.StreamReader, max_body: int) -> tuple[MsgType, int, bytes]:
-    """Read one envelope and its body; refuses bad magic, unknown versions/types and oversized bodies.
+def parse_envelope(head: bytes, max_body: int) -> tuple[MsgType, int, int]:
+    """Check one envelope header: (type, reason, body length), or a WireError naming what is wrong.
 
-    Raises asyncio.IncompleteReadError at a clean or unclean end of stream.
+    The single place every reader (asyncio streams, the buffered stream parser) validates
+    envelopes: bad magic, corrupted header, unknown versions/types and oversized bodies.
     """
-    head = await reader.readexactly(ENVELOPE.size)
     magic, version, kind, reason, body_len, check = ENVELOPE.unpack(head)
     if magic != MAGIC:
         raise WireError(Reason.MALFORMED, f"bad magic {magic!r}; not a crossfill KV stream")
@@ -533,5 +533,15 @@ async def read_message(reader: asyncio.StreamReader, max_body: int) -> tuple[Msg
         raise WireError(Reason.MALFORMED, f"unknown message type {kind}") from exc
     if body_len > max_body:
         raise WireError(Reason.OVERSIZED, f"{msg_type.name} body of {body_len} bytes exceeds the limit {max_body}")
+    return msg_type, reason, body_len
+
+
+async def read_message(reader: asyncio.StreamReader, max_body: int) -> tuple[MsgType, int, bytes]:
+    """Read one envelope and its body; refuses bad magic, unknown versions/types and oversized bodies.
+
+    Raises asyncio.IncompleteReadError at a clean or unclean end of stream.
+    """
+    head = await reader.readexactly(ENVELOPE.size)
+    msg_type, reason, body_len = parse_envelope(head, max_body)
     body = await reader.readexactly(body_len)
     return msg_type, reason, body
