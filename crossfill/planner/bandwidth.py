@@ -10,6 +10,7 @@ what makes the link sufficient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from crossfill.planner.dtypes import KV_DTYPES, KVDtype
@@ -94,15 +95,8 @@ def workload_alternatives(
     link_gbps: float | None,
 ) -> list[LinkCase]:
     """`alternatives` for a pool busy with the whole workload."""
-    out = [
-        workload_case(model, alt, state_dtype, workload, prefill, instances, link_gbps, label=f"{model.name} as {alt.name}")
-        for alt in (KV_DTYPES["fp8"], KV_DTYPES["int4"])
-        if alt.bits < dtype.bits
-    ]
-    if model.is_hybrid:
-        dense = model.dense_equivalent()
-        out.append(workload_case(dense, dtype, state_dtype, workload, prefill, instances, link_gbps, label=dense.name))
-    return out
+    return _variants(model, dtype, lambda m, d, label: workload_case(
+        m, d, state_dtype, workload, prefill, instances, link_gbps, label=label))
 
 
 def alternatives(
@@ -115,12 +109,20 @@ def alternatives(
     link_gbps: float | None,
 ) -> list[LinkCase]:
     """The same question with smaller KV dtypes and, for hybrid models, without the hybrid layout."""
+    return _variants(model, dtype, lambda m, d, label: link_case(
+        m, d, state_dtype, context_len, prefill, instances, link_gbps, label=label))
+
+
+def _variants(
+    model: ModelKV, dtype: KVDtype, case: Callable[[ModelKV, KVDtype, str], LinkCase]
+) -> list[LinkCase]:
+    """`case` for smaller KV dtypes (fp8, int4) and, for a hybrid model, its dense equivalent."""
     out = [
-        link_case(model, alt, state_dtype, context_len, prefill, instances, link_gbps, label=f"{model.name} as {alt.name}")
+        case(model, alt, f"{model.name} as {alt.name}")
         for alt in (KV_DTYPES["fp8"], KV_DTYPES["int4"])
         if alt.bits < dtype.bits
     ]
     if model.is_hybrid:
         dense = model.dense_equivalent()
-        out.append(link_case(dense, dtype, state_dtype, context_len, prefill, instances, link_gbps, label=dense.name))
+        out.append(case(dense, dtype, dense.name))
     return out
