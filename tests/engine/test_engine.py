@@ -108,12 +108,13 @@ def test_stop_conditions(tiny_llama_dir):
     assert stopped == base[: base.index(base[3]) + 1] and outs["tok"][-1].finish_reason == "stop"
     # a stop string: text ends right before it and never contains it
     full_text = "".join(d.new_text for d in run_all_one(tiny_llama_dir, prompt, 12))
-    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 2]
-    if stop.strip():
-        engine.add_request("str", prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))
-        deltas = run_all(engine)["str"]
-        text = "".join(d.new_text for d in deltas)
-        assert stop not in text and full_text.startswith(text) and deltas[-1].finish_reason == "stop"
+    middle = len(full_text) // 2
+    at = next(i for i in range(middle, len(full_text) - 1) if full_text[i : i + 2].strip() == full_text[i : i + 2])
+    stop = full_text[at : at + 2]
+    engine.add_request("str", prompt, SamplingParams(temperature=0, max_tokens=12, stop=[stop], ignore_eos=True))
+    deltas = run_all(engine)["str"]
+    text = "".join(d.new_text for d in deltas)
+    assert text == full_text[: full_text.index(stop)] and deltas[-1].finish_reason == "stop"
 
 
 def run_all_one(path, prompt, n):
