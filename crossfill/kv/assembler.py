@@ -73,6 +73,7 @@ class Assembly:
     counters: Counters
     manifest: Manifest | None = None
     checksums: dict[int, int] = field(default_factory=dict)
+    refused_seqs: set[int] = field(default_factory=set)  # refused frames not accepted since
     inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     raw_bytes: int = 0
     wire_bytes: int = 0
@@ -162,6 +163,8 @@ class Assembly:
             entry = check_frame(m, frame)
         except WireError as exc:
             self.counters.refuse(exc.reason)
+            if 0 <= frame.seq < m.frame_count and frame.seq not in self.checksums:
+                self.refused_seqs.add(frame.seq)
             raise
         self.touch()
         seq = frame.seq
@@ -196,6 +199,7 @@ class Assembly:
                 self.fail(Reason.SINK_ERROR, f"frame {seq}: the sink raised {type(exc).__name__}: {exc}")
                 raise self._refuse(Reason.SINK_ERROR, f"decode side could not import frame {seq}: {exc}") from exc
             self.checksums[seq] = frame.checksum
+            self.refused_seqs.discard(seq)
             self.raw_bytes += frame.raw_len
             self.wire_bytes += frame.payload_len
             self.counters.add("frames_accepted")
@@ -231,6 +235,10 @@ class Assembly:
         if frame_count != m.frame_count:
             raise self._refuse(Reason.COMMIT_DIGEST, f"commit counts {frame_count} frames, manifest {m.frame_count}")
         while (missing := self.missing()) and not self.done.done():
+            if self.refused_seqs.issuperset(missing):
+                # Every missing frame was refused here: its resend follows the sender reading that
+                # answer, possibly behind this commit on the same stream, so waiting cannot help.
+                break
             self.progress.clear()
             try:
                 await asyncio.wait_for(self.progress.wait(), grace_s)

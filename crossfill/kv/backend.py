@@ -37,6 +37,7 @@ class TransferStats:
     reconnects: int
     duration_s: float  # open() to commit acknowledged
     commit_wait_s: float  # last send() returned to commit acknowledged: the tail pipelining hides the rest of
+    streams: int = 1  # parallel streams the transfer opened
 
     @property
     def compression_ratio(self) -> float:

@@ -1,7 +1,14 @@
 """The built-in transfer backend: asyncio TCP, several connections per transfer, optional mTLS.
 
-Sender: frames are striped over `connections` parallel streams (each idle stream takes the next
-queued frame, so a slow stream simply carries fewer).  The receiver answers every frame on the
+Sender: frames are striped over up to `connections` parallel streams (each idle stream takes the
+next queued frame, so a slow stream simply carries fewer).  Parallel streams pay off on long links,
+where one TCP window cannot fill the bandwidth-delay product and a loss halves only one stream's
+rate; on a short link (loopback, same rack) they only add system calls and compete for cores.  So a
+transfer starts with one stream and opens the others once a manifest round trip to the endpoint
+is at least `stripe_min_rtt_ms` (default 5 ms: below it, Linux's default window autotuning of up to
+6 MiB already fills 10 Gbit/s with one stream).  The round trip is the minimum of the sender's
+last 16 manifest round trips, so a busy event loop on either side (which only adds delay) does
+not pass for a long link, and later transfers to a far endpoint open every stream at once.  The receiver answers every frame on the
 stream it came on, in order, so the sender matches answers to frames by position (a corrupted
 header cannot misdirect an answer).  Refused frames are queued again up to `max_retry` times;
 when a stream breaks or stalls for `timeout_ms` its unanswered frames are queued again and the
@@ -237,6 +244,7 @@ class KVReceiver(ReceiveBackend):
                 if bound is not None and bound.manifest is not None:
                     stream.limit = max(MAX_MANIFEST_BYTES, max_frame_body(bound.manifest))
                 stream.write(reply)
+                stream.flush()  # at once, not batched with frame answers: the sender times this round trip
             elif kind is MsgType.FRAME:
                 stream.write(await self._on_frame(bound, body))
             elif kind is MsgType.FRAME_REF:
@@ -335,7 +343,7 @@ class KVSender(TransferBackend):
 
     def __init__(self, endpoint: str | tuple[str, int], *, tls: ssl.SSLContext | None = None,
                  server_hostname: str | None = None, connections: int = 4, timeout_ms: int = 8000,
-                 max_retry: int = 2, max_inflight_bytes: int = 32 << 20) -> None:
+                 max_retry: int = 2, max_inflight_bytes: int = 32 << 20, stripe_min_rtt_ms: float = 5.0) -> None:
         self.host, self.port = parse_endpoint(endpoint)
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
@@ -347,6 +355,23 @@ class KVSender(TransferBackend):
         self.timeout_s = timeout_ms / 1000
         self.max_retry = max_retry
         self.max_inflight_bytes = max_inflight_bytes
+        if stripe_min_rtt_ms < 0:
+            raise ValueError(f"stripe_min_rtt_ms must be >= 0, got {stripe_min_rtt_ms}")
+        self.stripe_min_rtt_s = stripe_min_rtt_ms / 1000
+        self._rtt_samples: collections.deque[float] = collections.deque(maxlen=16)
+
+    @property
+    def rtt_s(self) -> float | None:
+        """Round trip to this endpoint: the least of the last manifest round trips (None before any)."""
+        return min(self._rtt_samples) if self._rtt_samples else None
+
+    def observe_rtt(self, rtt_s: float) -> None:
+        self._rtt_samples.append(rtt_s)
+
+    def stripes_now(self) -> bool:
+        """Whether a new transfer should open all its streams at once (far endpoint, or no choice)."""
+        return self.connections == 1 or self.stripe_min_rtt_s == 0 or (
+            self.rtt_s is not None and self.rtt_s >= self.stripe_min_rtt_s)
 
     @contextlib.asynccontextmanager
     async def open(self, manifest: Manifest) -> AsyncIterator[OutgoingTransfer]:
@@ -370,7 +395,9 @@ class _Conn:
     control: collections.deque[tuple[bytes, asyncio.Future[object]]] = field(default_factory=collections.deque)
     commit_waiters: collections.deque[asyncio.Future[object]] = field(default_factory=collections.deque)
     ready: bool = False
+    started: bool = False
     dead: bool = False
+    manifest_sent_at: float = 0.0
     failures: int = 0
     last_progress: float = field(default_factory=time.monotonic)
 
@@ -397,8 +424,18 @@ class _TcpTransfer(OutgoingTransfer):
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        self.tasks = [asyncio.create_task(self._run_conn(c)) for c in self.conns]
         self.tasks.append(asyncio.create_task(self._watchdog()))
+        self._start_streams(self.conns if self.s.stripes_now() else self.conns[:1])
+
+    def _start_streams(self, conns: list[_Conn]) -> None:
+        for c in conns:
+            if not c.started and not self.closing:
+                c.started = True
+                self.tasks.append(asyncio.create_task(self._run_conn(c)))
+
+    def _widen(self) -> None:
+        """Open the remaining streams (the link turned out long, or the first stream is in trouble)."""
+        self._start_streams(self.conns)
 
     async def _notify(self) -> None:
         async with self.cond:
@@ -459,6 +496,10 @@ class _TcpTransfer(OutgoingTransfer):
             self.queue.append(frame.seq)
             async with self.cond:
                 self.cond.notify_all()
+            # Let the stream tasks write this frame (and read answers) before encoding the next:
+            # encoding and sending overlap, and answers are read when they arrive (round trips
+            # are timed on them), even when the caller sends a whole cache in one go.
+            await asyncio.sleep(0)
         self.t_last_send = time.monotonic()
 
     async def commit(self) -> TransferStats:
@@ -522,6 +563,7 @@ class _TcpTransfer(OutgoingTransfer):
             cache_id=self.m.cache_id, frames=self.m.frame_count, raw_bytes=self.raw_bytes,
             wire_bytes=self.wire_bytes, retransmits=self.retransmits, reconnects=self.reconnects,
             duration_s=now - self.t_open, commit_wait_s=now - self.t_last_send,
+            streams=sum(c.started for c in self.conns),
         )
         await self._shutdown()
         return stats
@@ -548,6 +590,7 @@ class _TcpTransfer(OutgoingTransfer):
                 c.writer = writer
                 c.last_progress = time.monotonic()
                 writer.write(message(MsgType.MANIFEST, manifest_body(self.m)))
+                c.manifest_sent_at = time.monotonic()
                 c.pending.append(("manifest", -1, 0))
                 # Frames follow the manifest without waiting for its answer (one round trip less
                 # at the start); if it is refused, they are refused too and queued again.
@@ -571,13 +614,14 @@ class _TcpTransfer(OutgoingTransfer):
             except (OSError, asyncio.IncompleteReadError, TimeoutError, WireError, ssl.SSLError) as exc:
                 c.failures += 1
                 last = Reason.CONNECTION, f"{type(exc).__name__}: {exc}"
+                self._widen()  # a broken stream: let the others carry the frames meanwhile
             finally:
                 self._drop_stream(c)
             if self.closing or self.error is not None:
                 return
             if c.failures > self.s.max_retry:
                 c.dead = True
-                if all(x.dead for x in self.conns):
+                if all(x.dead for x in self.conns if x.started):
                     self._fail(last[0], f"{self.s.host}:{self.s.port}: {last[1]} "
                                f"(gave up after {self.s.max_retry} retries)")
                 await self._notify()
@@ -660,6 +704,9 @@ class _TcpTransfer(OutgoingTransfer):
     def _on_manifest_answer(self, c: _Conn, reason: Reason, text: str) -> None:
         if reason is Reason.OK:
             c.failures = 0
+            self.s.observe_rtt(time.monotonic() - c.manifest_sent_at)
+            if self.s.stripes_now():
+                self._widen()
         elif reason in (Reason.UNKNOWN_CACHE_ID, Reason.CHECKSUM, Reason.MALFORMED):
             # The decode side may not have registered the cache id yet: retry after a backoff.
             raise _Retry(reason, f"manifest refused: {text}")

@@ -156,7 +156,7 @@ async def test_unexpected_cache_id_is_refused_counted_and_sender_stops_after_max
     async with KVReceiver() as rx:
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="unknown_cache_id") as info:
-            await _send_all(KVSender(rx.endpoint, connections=2, max_retry=2), m, kv)
+            await _send_all(KVSender(rx.endpoint, connections=2, max_retry=2, stripe_min_rtt_ms=0), m, kv)
         assert info.value.reason is Reason.UNKNOWN_CACHE_ID
         assert time.monotonic() - t0 < 5
         # 2 streams x (1 try + 2 retries) manifests, plus the frames sent behind them, all refused
@@ -383,3 +383,52 @@ async def test_large_frame_right_behind_the_manifest_is_accepted() -> None:
         writer.close()
     assert [a.reason for a in answers] == [Reason.OK, Reason.OK]
     assert sink.calls == 1
+
+
+async def test_short_link_uses_one_stream_and_a_long_one_stripes() -> None:
+    """Loopback: one stream (more only compete for cores); a 10 ms round trip: every stream,
+    opened at once for later transfers to the same endpoint."""
+    specs = hybrid_specs(n=4, heads=4, dim=32)
+    kv = make_kv(specs, TOKENS)
+    async with KVReceiver() as rx:
+        near = KVSender(rx.endpoint, connections=4)
+        streams = []
+        for i in range(3):
+            m = build_manifest(specs, TOKENS, cache_id=f"near-{i}")
+            sink = Collector()
+            _expect(rx, m, sink)
+            streams.append((await _send_all(near, m, kv, chunk_tokens=30)).streams)
+            await rx.wait(m.cache_id)
+            assert_identical(m, kv, sink)
+        # The first transfer decides on one sample (a stall on a busy machine may widen it); once
+        # a short round trip has been seen, transfers stay on one stream.
+        assert near.rtt_s is not None and near.rtt_s < near.stripe_min_rtt_s
+        assert streams[1:] == [1, 1]
+
+        forced = build_manifest(specs, TOKENS, cache_id="forced")
+        _expect(rx, forced, Collector())
+        assert (await _send_all(KVSender(rx.endpoint, connections=4, stripe_min_rtt_ms=0), forced, kv,
+                                chunk_tokens=30)).streams == 4
+        await rx.wait(forced.cache_id)
+
+        async with LinkEmulator(upstream=("127.0.0.1", rx.port), bandwidth="1gbit", latency="5ms") as emu:
+            far = KVSender(f"127.0.0.1:{emu.listen_port}", connections=4)
+            for i in range(2):
+                m = build_manifest(specs, TOKENS, cache_id=f"far-{i}")
+                sink = Collector()
+                _expect(rx, m, sink)
+                async with far.open(m) as tx:
+                    # The first transfer learns the round trip; the second opens every stream at once.
+                    assert sum(c.started for c in tx.conns) == (1 if i == 0 else 4)  # type: ignore[attr-defined]
+                    for layer in sorted(kv):
+                        await tx.send(LayerKVChunk(layer, 0, *kv[layer]))
+                    stats = await tx.commit()
+                await rx.wait(m.cache_id)
+                assert_identical(m, kv, sink)
+                assert stats.streams == 4
+            assert far.rtt_s is not None and far.rtt_s >= 0.010
+
+
+def test_stripe_threshold_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="stripe_min_rtt_ms"):
+        KVSender("127.0.0.1:9", stripe_min_rtt_ms=-1)
