@@ -9,6 +9,12 @@ and verifies them with the same `Assembly` as the TCP receiver: same reasons, sa
 sink sees only verified chunks, and `wait()` returns only after the commit digest matched.
 
 Objects (tenant = manifest tenant):  kv/<cache_id>/manifest,  kv/<cache_id>/f/<seq>,  kv/<cache_id>/commit
+
+Discovery: the puller learns of new objects from the store's change notifications when it has
+them (`WatchableKVStore`, e.g. the embedded store), so it reads a key only once it was put; on a
+store without them (Mooncake Store) it polls with a backoff that is short right after progress
+and grows while idle. `StorePullReceiver.notify(cache_id)` is a wake-up hint for a control channel
+that knows prefill committed. Every wait ends by the transfer's deadline.
 """
 
 from __future__ import annotations
@@ -16,14 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Assembly, Counters, Expectation, Sink
 from crossfill.kv.backend import OutgoingTransfer, ReceiveBackend, TransferBackend, TransferStats
 from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
 from crossfill.kv.errors import Reason, TransferError, WireError
-from crossfill.kv.store.base import DEFAULT_TENANT, KVStore, StoreError
+from crossfill.kv.store.base import DEFAULT_TENANT, KVStore, StoreError, Watch, WatchableKVStore
 from crossfill.kv.wire import (
     Manifest,
     commit_body,
@@ -35,12 +42,23 @@ from crossfill.kv.wire import (
 )
 
 _MIN_TTL_S = 1.0
+# With change notifications a missing key is read again only on a reported put, a hint, or this
+# often: a guard against a notification a store failed to deliver, not a polling loop.
+_WATCH_RECHECK_S = 1.0
+# Sleeps bounded by a deadline last this much longer, so the reader wakes after the deadline
+# (and check_time() fails the transfer) rather than a hair before it and spinning.
+_DEADLINE_SLACK_S = 0.001
+
+
+def object_prefix(cache_id: str) -> str:
+    """The prefix every object key of a transfer starts with (what the puller watches)."""
+    return f"kv/{cache_id}/"
 
 
 def object_keys(cache_id: str) -> tuple[str, str, str]:
     """(manifest key, frame key prefix, commit key) of a transfer."""
-    base = f"kv/{cache_id}"
-    return f"{base}/manifest", f"{base}/f/", f"{base}/commit"
+    base = object_prefix(cache_id)
+    return f"{base}manifest", f"{base}f/", f"{base}commit"
 
 
 def store_tenant(tenant: str) -> str:
@@ -157,25 +175,123 @@ class _StoreTransfer(OutgoingTransfer):
         self.committed = True  # nothing left to do on exit
 
 
+class _Backoff:
+    """Polling interval of one transfer: short right after progress, growing while idle, capped.
+
+    The interval follows the idle *time* (a quarter of it), not the count of misses, so the
+    several pollers of a prefetch window do not back off faster than one would, and the latency
+    polling adds to a wait is at most a quarter of that wait (and at most `max_s`).
+    """
+
+    IDLE_FRACTION = 0.25
+
+    def __init__(self, min_s: float, max_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.min_s = min_s
+        self.max_s = max(min_s, max_s)
+        self._clock = clock
+        self._since = clock()
+
+    def progress(self) -> None:
+        """Something appeared (or a hint said it will): poll fast again."""
+        self._since = self._clock()
+
+    def delay(self) -> float:
+        idle = self._clock() - self._since
+        return min(self.max_s, max(self.min_s, idle * self.IDLE_FRACTION))
+
+
+class _Wakeup:
+    """Per-key wake-ups of one transfer's readers. Event-loop thread only.
+
+    A reader arms its key *before* reading the store, so a put that lands after the read still
+    sets the event it then sleeps on (register-then-check: no lost wake-up). `fire(None)` wakes
+    every reader of the transfer (a control-channel hint, or the transfer finished).
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+
+    def arm(self, key: str) -> asyncio.Event:
+        event = self._events.get(key)
+        if event is None:
+            event = self._events[key] = asyncio.Event()
+        return event
+
+    def disarm(self, key: str) -> None:
+        self._events.pop(key, None)
+
+    def fire(self, key: str | None = None) -> None:
+        if key is None:
+            events = list(self._events.values())
+            self._events.clear()
+        else:
+            event = self._events.pop(key, None)
+            events = [] if event is None else [event]
+        for event in events:
+            event.set()
+
+
+@dataclass
+class _Pull:
+    """One expected transfer: its verifier, its pulling task and how that task learns of new objects."""
+
+    assembly: Assembly
+    tenant: str
+    loop: asyncio.AbstractEventLoop
+    backoff: _Backoff
+    wake: _Wakeup = field(default_factory=_Wakeup)
+    task: asyncio.Task[None] | None = None
+    watch: Watch | None = None  # set while the store notifies us of puts
+
+    def on_put(self, key: str) -> None:
+        """Store callback, on the putting thread: hand the key to the event loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self.loop.call_soon_threadsafe(self.wake.fire, key)
+
+    def hint(self) -> None:
+        """Objects may have landed (control channel): read at once and poll fast for a while."""
+        self.backoff.progress()
+        self.wake.fire(None)
+
+    def stop_watching(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+
 class StorePullReceiver(ReceiveBackend):
     """Receiving half: pulls and verifies transfers from `store` for the decode side.
 
     `expect()` registers a transfer and starts pulling at once: frames are fetched as they
     appear, so the download overlaps prefill's upload.  Consumed objects are deleted after a
     successful commit (and after a verification failure: a bad cache is not left for reuse).
+
+    How the puller learns that an object appeared:
+    - when the store is a `WatchableKVStore` (the embedded store), it watches the transfer's key
+      prefix for its lifetime and reads a key again only when a put of that key is reported (or,
+      as a guard, every `_WATCH_RECHECK_S`); the watch ends when the transfer completes, fails or
+      is cancelled;
+    - otherwise (Mooncake Store) it polls, every `poll_ms` right after progress and up to
+      `max_poll_ms` while idle (see `_Backoff`);
+    - either way `notify(cache_id)` (e.g. from a control channel that saw prefill commit) wakes
+      the readers at once.
+    Every sleep ends by the transfer's deadline (timeout_ms of silence, `deadline`, manifest expiry).
     """
 
     name = "store"
 
-    def __init__(self, store: KVStore, *, timeout_ms: int = 8000, poll_ms: float = 5.0, prefetch: int = 4,
-                 delete_after_pull: bool = True) -> None:
+    def __init__(self, store: KVStore, *, timeout_ms: int = 8000, poll_ms: float = 2.0, max_poll_ms: float = 50.0,
+                 prefetch: int = 4, delete_after_pull: bool = True) -> None:
         self.store = store
         self.timeout_s = timeout_ms / 1000
         self.poll_s = poll_ms / 1000
+        self.max_poll_s = max_poll_ms / 1000
         self.prefetch = max(1, prefetch)
         self.delete_after_pull = delete_after_pull
+        # Decided once: a wrapper that hides `watch` (as the benchmark's polling baseline does) polls.
+        self._watch_store: WatchableKVStore | None = store if isinstance(store, WatchableKVStore) else None
         self._counters = Counters()
-        self._pulls: dict[str, tuple[Assembly, asyncio.Task[None]]] = {}
+        self._pulls: dict[str, _Pull] = {}
 
     def expect(self, target: Expectation | str, sink: Sink | None = None, *, fingerprint: str | None = None,
                token_digest: str | None = None, tenant: str | None = None, timeout_ms: int | None = None,
@@ -192,26 +308,50 @@ class StorePullReceiver(ReceiveBackend):
             raise ValueError(f"cache id {exp.cache_id!r} is already expected; cache ids must be unique per transfer")
         a = Assembly(exp, self._counters)
         self._counters.add("transfers_expected")
-        task = asyncio.create_task(self._pull(a))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # wait() reports it
-        self._pulls[exp.cache_id] = (a, task)
+        p = _Pull(a, store_tenant(exp.tenant or ""), asyncio.get_running_loop(),
+                  _Backoff(self.poll_s, self.max_poll_s))
+        a.done.add_done_callback(lambda _: p.wake.fire(None))  # finished or failed: no reader sleeps on
+        p.task = asyncio.create_task(self._pull(p))
+        p.task.add_done_callback(_retrieve)  # wait() reports it
+        self._pulls[exp.cache_id] = p
 
     async def wait(self, cache_id: str) -> Manifest:
-        entry = self._pulls.get(cache_id)
-        if entry is None:
+        p = self._pulls.get(cache_id)
+        if p is None:
             raise TransferError(Reason.UNKNOWN_CACHE_ID, "wait() for a cache id nobody expects", cache_id)
-        a, task = entry
+        assert p.task is not None
         try:
-            await asyncio.shield(task)
-            return a.done.result()
+            await asyncio.shield(p.task)
+            return p.assembly.done.result()
         finally:
             self._pulls.pop(cache_id, None)
 
+    def notify(self, cache_id: str) -> bool:
+        """Wake-up hint: objects of `cache_id` have (probably) landed, e.g. prefill's commit.
+
+        For a control channel that learns of the commit before polling would: the readers of the
+        transfer read the store at once instead of at their next poll. Safe to call from any
+        thread. Returns False (and does nothing) when the cache id is not being pulled; a hint that
+        arrives before `expect()` is not needed, since `expect()` starts with a read.
+        """
+        p = self._pulls.get(cache_id)
+        if p is None or p.assembly.finished:
+            return False
+        self._counters.add("notify_hints")
+        if _running_loop() is p.loop:
+            p.hint()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to wake
+                p.loop.call_soon_threadsafe(p.hint)
+        return True
+
     def cancel(self, cache_id: str, reason: str = "cancelled by decode") -> None:
-        entry = self._pulls.pop(cache_id, None)
-        if entry is not None:
-            entry[0].fail(Reason.ABORTED, reason)
-            entry[1].cancel()
+        p = self._pulls.pop(cache_id, None)
+        if p is not None:
+            p.stop_watching()  # now, not when the task next runs: no listener outlives cancel()
+            p.assembly.fail(Reason.ABORTED, reason)
+            if p.task is not None:
+                p.task.cancel()
 
     def counters(self) -> dict[str, int]:
         return self._counters.as_dict()
@@ -220,49 +360,105 @@ class StorePullReceiver(ReceiveBackend):
         for cache_id in list(self._pulls):
             self.cancel(cache_id, "receiver closed")
 
-    # -- pulling --------------------------------------------------------------------------
-    async def _get(self, a: Assembly, key: str, tenant: str) -> bytes:
-        """Poll for an object until it exists; the Assembly's deadlines bound the wait."""
-        delay = self.poll_s
-        while True:
-            a.check_time()
-            if a.done.done():
-                a.done.result()  # raises the failure
-            try:
-                data = await asyncio.to_thread(self.store.get, key, tenant)
-            except (StoreError, OSError) as exc:
-                data = None
-                self._counters.add("store_errors")
-                if time.monotonic() - a.last_activity > a.expect.timeout_s / 2:
-                    a.fail(Reason.CONNECTION, f"store get of {key} keeps failing: {exc}")
-            if data is not None:
-                return data
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    async def _pull(self, a: Assembly) -> None:
-        cid = a.cache_id
-        manifest_key, prefix, commit_key = object_keys(cid)
-        tenant = store_tenant(a.expect.tenant or "")
+    # -- learning of new objects ------------------------------------------------------------
+    def _subscribe(self, p: _Pull) -> None:
+        """Watch the transfer's keys when the store can report puts; otherwise the readers poll."""
+        if self._watch_store is None:
+            return
         try:
-            try:
-                m = parse_manifest_body(await self._get(a, manifest_key, tenant))
-                if m.cache_id != cid:
-                    raise WireError(Reason.MANIFEST_MISMATCH, f"object for {cid} holds cache id {m.cache_id}")
-                a.accept_manifest(m)
-            except WireError as exc:
-                self._counters.refuse(exc.reason)
-                a.fail(exc.reason, exc.message)
-                raise
-            next_seq = 0
-            window: dict[int, asyncio.Task[bytes]] = {}
-            while next_seq < m.frame_count:
+            p.watch = self._watch_store.watch(object_prefix(p.assembly.cache_id), p.on_put, p.tenant)
+        except (StoreError, OSError):
+            self._counters.add("store_errors")  # fall back to polling; reads will report a dead store
+
+    def _pause(self, p: _Pull, read_failed: bool) -> float:
+        """How long a reader sleeps after a miss unless woken: the deadline bounds it in `_get`."""
+        if p.watch is not None and not read_failed:
+            return _WATCH_RECHECK_S
+        return p.backoff.delay()
+
+    async def _read(self, p: _Pull, key: str) -> tuple[bytes | None, bool]:
+        """One get, bounded by the transfer's deadline: (data or None, whether the store failed)."""
+        a = p.assembly
+        self._counters.add("store_gets")
+        try:
+            async with asyncio.timeout(_time_left(a)):
+                return await asyncio.to_thread(self.store.get, key, p.tenant), False
+        except TimeoutError:
+            return None, True  # the caller's check_time() fails the transfer on its deadline
+        except (StoreError, OSError) as exc:
+            self._counters.add("store_errors")
+            if time.monotonic() - a.last_activity > a.expect.timeout_s / 2:
+                a.fail(Reason.CONNECTION, f"store get of {key} keeps failing: {exc}")
+            return None, True
+
+    async def _get(self, p: _Pull, key: str) -> bytes:
+        """Read `key` until it exists, sleeping between reads until woken; deadlines bound every sleep."""
+        a = p.assembly
+        try:
+            while True:
+                a.check_time()
+                if a.done.done():
+                    a.done.result()  # raises the failure
+                woken = p.wake.arm(key)  # before the read: a put that lands after it still wakes us
+                data, failed = await self._read(p, key)
+                if data is not None:
+                    p.backoff.progress()
+                    return data
+                self._counters.add("store_misses")
+                await _wait_event(woken, min(self._pause(p, failed), _time_left(a)))
+        finally:
+            p.wake.disarm(key)
+
+    # -- pulling --------------------------------------------------------------------------
+    async def _pull(self, p: _Pull) -> None:
+        a = p.assembly
+        self._subscribe(p)
+        try:
+            await self._fetch(p)
+        except (WireError, TransferError):
+            pass  # recorded in the Assembly; wait() raises it
+        except Exception as exc:  # a store or sink failure nobody anticipated: still fail cleanly
+            a.fail(Reason.ABORTED, f"{type(exc).__name__}: {exc}")
+        finally:
+            p.stop_watching()
+            ok = a.done.done() and a.done.exception() is None
+            if not a.done.done():
+                a.fail(Reason.ABORTED, "pull stopped")
+            if self.delete_after_pull or not ok:
+                await self._delete(a, p.tenant)
+        if a.done.exception() is not None:
+            raise a.done.exception()  # type: ignore[misc]
+
+    async def _fetch(self, p: _Pull) -> None:
+        m = await self._fetch_manifest(p)
+        await self._fetch_frames(p, m)
+        await self._fetch_commit(p)
+
+    async def _fetch_manifest(self, p: _Pull) -> Manifest:
+        a, cid = p.assembly, p.assembly.cache_id
+        try:
+            m = parse_manifest_body(await self._get(p, object_keys(cid)[0]))
+            if m.cache_id != cid:
+                raise WireError(Reason.MANIFEST_MISMATCH, f"object for {cid} holds cache id {m.cache_id}")
+            a.accept_manifest(m)
+        except WireError as exc:
+            self._counters.refuse(exc.reason)
+            a.fail(exc.reason, exc.message)
+            raise
+        return m
+
+    async def _fetch_frames(self, p: _Pull, m: Manifest) -> None:
+        """Frames in order, with up to `prefetch` reads ahead so the download overlaps the upload."""
+        a, prefix = p.assembly, object_keys(p.assembly.cache_id)[1]
+        window: dict[int, asyncio.Task[bytes]] = {}
+        try:
+            for next_seq in range(m.frame_count):
                 for seq in range(next_seq, min(m.frame_count, next_seq + self.prefetch)):
                     if seq not in window:
-                        window[seq] = asyncio.create_task(self._get(a, f"{prefix}{seq}", tenant))
+                        window[seq] = asyncio.create_task(self._get(p, f"{prefix}{seq}"))
+                        window[seq].add_done_callback(_retrieve)
                 try:
-                    data = await window.pop(next_seq)
-                    frame = parse_frame(data)
+                    frame = parse_frame(await window.pop(next_seq))
                     if frame.seq != next_seq:
                         raise WireError(Reason.TOKEN_RANGE, f"object {prefix}{next_seq} holds frame {frame.seq}")
                     await a.accept_frame(frame)
@@ -272,37 +468,65 @@ class StorePullReceiver(ReceiveBackend):
                     # Stored bytes do not heal by reading them again: the cache is bad.
                     a.fail(exc.reason, exc.message)
                     raise
-                finally:
-                    if a.done.done() and a.done.exception() is not None:
-                        for t in window.values():
-                            t.cancel()
-                next_seq += 1
-            try:
-                count, digest = parse_commit_body(await self._get(a, commit_key, tenant))
-                missing = await a.accept_commit(count, digest, grace_s=0.0)
-                if missing:
-                    raise WireError(Reason.INCOMPLETE, f"{len(missing)} frames missing at commit")
-            except WireError as exc:
-                a.fail(exc.reason, exc.message)
-                raise
-        except (WireError, TransferError):
-            pass  # recorded in the Assembly; wait() raises it
-        except Exception as exc:  # a store or sink failure nobody anticipated: still fail cleanly
-            a.fail(Reason.ABORTED, f"{type(exc).__name__}: {exc}")
         finally:
-            ok = a.done.done() and a.done.exception() is None
-            if not a.done.done():
-                a.fail(Reason.ABORTED, "pull stopped")
-            if self.delete_after_pull or not ok:
-                await self._delete(a, tenant)
-        if a.done.exception() is not None:
-            raise a.done.exception()  # type: ignore[misc]
+            for t in window.values():  # reads ahead of a failure (or of a cancel) are not needed
+                t.cancel()
+
+    async def _fetch_commit(self, p: _Pull) -> None:
+        a = p.assembly
+        try:
+            count, digest = parse_commit_body(await self._get(p, object_keys(a.cache_id)[2]))
+            missing = await a.accept_commit(count, digest, grace_s=0.0)
+            if missing:
+                raise WireError(Reason.INCOMPLETE, f"{len(missing)} frames missing at commit")
+        except WireError as exc:
+            a.fail(exc.reason, exc.message)
+            raise
 
     async def _delete(self, a: Assembly, tenant: str) -> None:
+        """Remove the transfer's objects in one thread hop (wait() returns after it), bounded by timeout_ms."""
         manifest_key, prefix, commit_key = object_keys(a.cache_id)
         keys = [commit_key, manifest_key]
         if a.manifest is not None:
             keys += [f"{prefix}{s}" for s in range(a.manifest.frame_count)]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(self._delete_keys, keys, tenant), self.timeout_s)
+
+    def _delete_keys(self, keys: list[str], tenant: str) -> None:
         for key in keys:
             with contextlib.suppress(StoreError, OSError):
-                await asyncio.to_thread(self.store.delete, key, tenant)
+                self.store.delete(key, tenant)
+
+
+def _time_left(a: Assembly) -> float:
+    """Seconds until the earliest of the transfer's deadlines, plus a little so that a sleep of this
+    length ends after the deadline (check_time() then fails it) rather than a hair before."""
+    now = time.monotonic()
+    left = a.last_activity + a.expect.timeout_s - now
+    if a.expect.deadline is not None:
+        left = min(left, a.expect.deadline - now)
+    if a.manifest is not None:
+        left = min(left, a.manifest.expires_at - time.time())
+    return max(0.0, left) + _DEADLINE_SLACK_S
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    """Return when `event` is set or after `timeout_s`, whichever comes first."""
+    if event.is_set():
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Mark a task's exception as seen: its owner reports the failure through the Assembly."""
+    if not task.cancelled():
+        task.exception()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from crossfill.kv.store import (
     KVStore,
     ObjectTooLargeError,
     StoreError,
+    WatchableKVStore,
 )
 
 
@@ -174,3 +177,102 @@ async def test_async_adapter_does_not_block_loop():
     assert await store.delete("k3", tenant="t")
     assert (await store.stats()).objects == 19
     await store.close()
+
+
+# ---------------------------------------------------------------------------- change notification
+
+
+def test_watch_reports_puts_of_matching_tenant_and_prefix_only():
+    store = EmbeddedStore(memory_capacity_bytes=10_000)
+    assert isinstance(store, WatchableKVStore)
+    seen: list[tuple[str, bytes | None]] = []
+    # The callback may read the store: the value is visible and no store lock is held.
+    watch = store.watch("kv/a/", lambda key: seen.append((key, store.get(key, tenant="t1"))), tenant="t1")
+    everything: list[str] = []
+    store.watch("", everything.append, tenant="t1")
+    store.put("kv/a/x", b"1", tenant="t1")
+    store.put("kv/ab/x", b"2", tenant="t1")  # a different prefix that merely starts alike
+    store.put("kv/a/x", b"3", tenant="t2")  # another tenant's key of the same name
+    store.put("kv/a/", b"4", tenant="t1")  # the prefix itself is a key under it
+    store.delete("kv/a/x", tenant="t1")  # only puts are reported
+    assert seen == [("kv/a/x", b"1"), ("kv/a/", b"4")]
+    assert everything == ["kv/a/x", "kv/ab/x", "kv/a/"]
+    watch.close()
+    watch.close()  # idempotent
+    store.put("kv/a/y", b"5", tenant="t1")
+    assert len(seen) == 2 and store.watch_count() == 1
+
+
+def test_put_from_another_thread_wakes_a_waiting_thread_promptly():
+    store = EmbeddedStore(memory_capacity_bytes=10_000)
+    landed = threading.Event()
+    put_done: list[float] = []
+    woke: list[float] = []
+
+    def on_put(key: str) -> None:
+        woke.append(time.monotonic())
+        landed.set()
+
+    def writer() -> None:
+        time.sleep(0.05)
+        store.put("kv/c/commit", b"done", tenant="t")
+        put_done.append(time.monotonic())
+
+    with store.watch("kv/c/", on_put, tenant="t"):
+        t = threading.Thread(target=writer)
+        t.start()
+        assert landed.wait(5), "the put on another thread did not wake the waiter"
+        t.join()
+    assert store.watch_count() == 0
+    assert woke[0] <= put_done[0]  # called by the put itself, before it returned
+
+
+def test_concurrent_puts_and_watches_lose_nothing_and_leak_nothing():
+    store = EmbeddedStore(memory_capacity_bytes=1 << 20)
+    counts = {i: 0 for i in range(4)}
+    lock = threading.Lock()
+
+    def bump(i: int):
+        def cb(key: str) -> None:
+            with lock:
+                counts[i] += 1
+        return cb
+
+    watches = [store.watch(f"kv/{i}/", bump(i), tenant="t") for i in range(4)]
+
+    def writer(i: int) -> None:
+        for n in range(200):
+            store.put(f"kv/{i}/f/{n}", b"x", tenant="t")
+
+    def churn() -> None:  # unrelated watches come and go while the writers run
+        for n in range(200):
+            store.watch(f"kv/other-{n}/", lambda key: None, tenant="t").close()
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)] + [threading.Thread(target=churn)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == {i: 200 for i in range(4)}
+    for w in watches:
+        w.close()
+    assert store.watch_count() == 0
+
+
+def test_failing_callback_does_not_fail_the_put_and_close_ends_watches(caplog):
+    store = EmbeddedStore(memory_capacity_bytes=1000)
+
+    def broken(key: str) -> None:
+        raise RuntimeError("listener bug")
+
+    store.watch("k", broken)
+    with caplog.at_level(logging.ERROR):
+        store.put("k1", b"v")
+    assert store.get("k1") == b"v"
+    assert "watch callback" in caplog.text
+    with pytest.raises(InvalidKeyError, match="prefix"):
+        store.watch("bad\n", broken)
+    store.close()
+    assert store.watch_count() == 0
+    with pytest.raises(StoreError, match="closed"):
+        store.watch("k", broken)

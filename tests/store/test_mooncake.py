@@ -10,7 +10,13 @@ import time
 
 import pytest
 
-from crossfill.kv.store import KVStore, ObjectTooLargeError, StoreError, StoreUnavailableError
+from crossfill.kv.store import (
+    KVStore,
+    ObjectTooLargeError,
+    StoreError,
+    StoreUnavailableError,
+    WatchableKVStore,
+)
 
 from .conftest import needs_mooncake
 
@@ -38,6 +44,7 @@ def store(mooncake_master):
 
 def test_round_trip_replace_delete(store):
     assert isinstance(store, KVStore)
+    assert not isinstance(store, WatchableKVStore)  # no watch API: store-and-pull polls it
     store.put("rt", b"first", tenant="t1")
     assert store.get("rt", tenant="t1") == b"first"
     store.put("rt", b"second value", tenant="t1")  # replaces (Mooncake's own put would not)

@@ -15,6 +15,9 @@ Policy, in one place:
 - Deleted, evicted and expired disk files are overwritten with zeros before unlinking (M5.9
   "secure deletion of expired caches"), unless `secure_delete=False`.
 - Expiry times are wall-clock (`time.time`) so that they stay meaningful across a restart.
+- Change notification (`watch`, see `WatchableKVStore` in base.py): every put calls the matching
+  listeners after the store lock is released, so a reader woken by it finds the value and a slow
+  listener never stalls other writers. Listeners live in memory only and end with `close()`.
 
 Disk file layout (one file per object, named by a digest of tenant and key so no user text reaches
 the file system): MAGIC, a 4-byte big-endian header length, a JSON header {tenant, key, size,
@@ -41,10 +44,14 @@ from crossfill.kv.store.base import (
     DEFAULT_TENANT,
     ExpirySweeper,
     InvalidArgumentError,
+    KeyCallback,
     ObjectTooLargeError,
     StoreError,
     StoreStats,
+    Watch,
+    WatchRegistry,
     check_key,
+    check_prefix,
     check_tenant,
     check_ttl,
 )
@@ -67,7 +74,7 @@ class _Entry:
 
 
 class EmbeddedStore:
-    """A thread-safe, in-process `KVStore` with memory and disk tiers, TTL, LRU and byte limits.
+    """A thread-safe, in-process `WatchableKVStore` with memory and disk tiers, TTL, LRU and byte limits.
 
     Args:
         memory_capacity_bytes: bytes of payload kept in memory.
@@ -114,6 +121,7 @@ class EmbeddedStore:
         self._disk_used = 0
         self._counts = dict.fromkeys(("puts", "hits", "misses", "deletes", "evictions", "expirations"), 0)
         self._closed = False
+        self._watches = WatchRegistry()
         if self._disk_dir is not None:
             self._disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._load_disk()
@@ -150,6 +158,7 @@ class EmbeddedStore:
             self._index[(tenant, key)] = entry
             heapq.heappush(self._expiry, (entry.expires_at, entry.seq, tenant, key))
             self._counts["puts"] += 1
+        self._watches.notify(tenant, key)  # after the lock: the value is visible to whoever wakes
 
     def get(self, key: str, tenant: str = DEFAULT_TENANT) -> bytes | None:
         check_key(key)
@@ -186,6 +195,18 @@ class EmbeddedStore:
             self._check_open()
             return self._live_entry(tenant, key) is not None
 
+    def watch(self, prefix: str, callback: KeyCallback, tenant: str = DEFAULT_TENANT) -> Watch:
+        """Call `callback(key)` after each put of a `tenant` key starting with `prefix` (see base.py)."""
+        check_prefix(prefix)
+        check_tenant(tenant)
+        with self._lock:  # so that close() cannot slip between the check and the registration
+            self._check_open()
+            return self._watches.add(tenant, prefix, callback)
+
+    def watch_count(self) -> int:
+        """Registered watches; a reader that ended every transfer leaves none behind."""
+        return len(self._watches)
+
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
@@ -197,10 +218,11 @@ class EmbeddedStore:
             )
 
     def close(self) -> None:
-        """Stop the sweeper. Disk objects stay for the next run; memory objects are dropped."""
+        """Stop the sweeper and end all watches. Disk objects stay for the next run; memory objects are dropped."""
         self._sweeper.stop()
         with self._lock:
             self._closed = True
+            self._watches.clear()
             for entry in self._index.values():
                 entry.data = None
             self._index.clear()

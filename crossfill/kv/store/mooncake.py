@@ -17,7 +17,9 @@ What crossfill adds on top, and why:
 
 Keep in mind: objects live in the contributing clients' memory, so an object disappears when the
 client process that holds its segment exits (run a long-lived store service for durability), and
-`stats()` reflects what this client wrote and read, not the whole cluster.
+`stats()` reflects what this client wrote and read, not the whole cluster. Mooncake Store has no
+watch/notification API, so this is a plain `KVStore`, not a `WatchableKVStore`: store-and-pull
+readers poll it (with backoff) and take a wake-up hint from a control channel instead.
 """
 
 from __future__ import annotations
