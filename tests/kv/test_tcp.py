@@ -392,18 +392,22 @@ async def test_short_link_uses_one_stream_and_a_long_one_stripes() -> None:
     kv = make_kv(specs, TOKENS)
     async with KVReceiver() as rx:
         near = KVSender(rx.endpoint, connections=4)
-        streams = []
-        for i in range(3):
+        for i in range(10):
+            # A loaded machine only delays answers (the measured round trip can only grow), so the
+            # first transfers may stripe; the least round trip seen soon shows the link is short.
             m = build_manifest(specs, TOKENS, cache_id=f"near-{i}")
             sink = Collector()
             _expect(rx, m, sink)
-            streams.append((await _send_all(near, m, kv, chunk_tokens=30)).streams)
+            await _send_all(near, m, kv, chunk_tokens=30)
             await rx.wait(m.cache_id)
             assert_identical(m, kv, sink)
-        # The first transfer decides on one sample (a stall on a busy machine may widen it); once
-        # a short round trip has been seen, transfers stay on one stream.
+            if near.rtt_s is not None and near.rtt_s < near.stripe_min_rtt_s:
+                break
         assert near.rtt_s is not None and near.rtt_s < near.stripe_min_rtt_s
-        assert streams[1:] == [1, 1]
+        m = build_manifest(specs, TOKENS, cache_id="near-last")
+        _expect(rx, m, Collector())
+        assert (await _send_all(near, m, kv, chunk_tokens=30)).streams == 1
+        await rx.wait(m.cache_id)
 
         forced = build_manifest(specs, TOKENS, cache_id="forced")
         _expect(rx, forced, Collector())
