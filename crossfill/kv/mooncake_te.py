@@ -11,7 +11,10 @@ The protocol around it is the caller's: the receiver allocates a buffer, sends i
 the sender calls `write()`, then tells the receiver the bytes are there (TE does not notify). Peers
 find each other with `P2PHANDSHAKE` (no metadata service): a session id is 'host:rpc_port'.
 
-Every call is blocking (TE's *sync* API); asyncio callers use `asyncio.to_thread`.
+Every call but `submit_write` is blocking (TE's *sync* API); asyncio callers use
+`asyncio.to_thread`.  `submit_write` starts a write and returns a `PendingWrite` to poll, so one
+caller can keep several writes in flight without a thread each (TE's sync write spins a core
+until its write completes).
 
     python -m crossfill.kv.mooncake_te --size-mb 128 --repeats 3
 measures TE goodput between two processes on loopback beside a plain socket `sendall` of the same
@@ -67,6 +70,53 @@ class RegisteredBuffer:
     array: np.ndarray
     address: int
     nbytes: int
+
+
+# TE hands back a batch id (a pointer into its memory) for a submitted write; 0, a negative value
+# or -1 seen as an unsigned 64-bit number means the submission failed.
+_BAD_BATCH_IDS = (0, (1 << 64) - 1)
+
+
+class PendingWrite:
+    """A TE write in flight (see `MooncakeTransferEngine.submit_write`): poll it until it finishes.
+
+    It keeps the source memory alive until then, since TE reads it after the submitting call returned.
+    """
+
+    def __init__(self, engine: Any, batch_id: int, nbytes: int, peer: str, src: RegisteredBuffer) -> None:
+        self._engine = engine
+        self._batch_id = batch_id
+        self.nbytes = nbytes
+        self.peer = peer
+        self._src: RegisteredBuffer | None = src
+        self.finished = False  # TE has released the batch (done, failed or timed out)
+        self.timed_out = False  # TE gave up but may still hold the batch, and so the source memory
+        self._error: MooncakeTEError | None = None
+
+    def poll(self) -> bool:
+        """True once the bytes are in the peer's buffer, False while in flight; raises MooncakeTEError if it failed.
+
+        Never blocks. Once it returned True or raised, TE is not asked again: the wheel frees a
+        finished batch when it reports it, and asking about a freed batch id reads freed memory.
+        """
+        if self._error is not None:
+            raise self._error
+        if self.finished:
+            return True
+        rc = self._engine.transfer_check_status(self._batch_id)
+        if rc == 0:
+            return False
+        self.finished = True
+        self._src = None
+        if rc == 1:
+            return True
+        self.timed_out = rc == -2
+        what = "timed out inside TE" if self.timed_out else f"failed with status {rc}"
+        self._error = MooncakeTEError(
+            f"Mooncake TE write of {self.nbytes} bytes to {self.peer} {what}: the peer exited, is "
+            "unreachable, or no longer has that buffer registered"
+        )
+        raise self._error
 
 
 def _import_engine() -> Any:
@@ -154,6 +204,31 @@ class MooncakeTransferEngine:
                 f"Mooncake TE write of {n} bytes to {dest.session_id} failed with code {rc}: the peer "
                 "exited, is unreachable, or no longer has that buffer registered"
             )
+
+    def submit_write(
+        self,
+        src: RegisteredBuffer,
+        dest: BufferDescriptor,
+        nbytes: int | None = None,
+        src_offset: int = 0,
+        dest_offset: int = 0,
+    ) -> PendingWrite:
+        """Start copying `nbytes` into the peer's buffer and return at once; poll the result.
+
+        Same arguments as `write`. `src` must stay registered and unchanged in that range until
+        the write finished (`PendingWrite.poll` returned True or raised). Raises MooncakeTEError
+        if TE refuses the submission (e.g. it cannot reach the peer's engine).
+        """
+        n = self._check_range("write", src, dest, nbytes, src_offset, dest_offset)
+        batch_id = self._engine.transfer_submit_write(
+            dest.session_id, src.address + src_offset, dest.address + dest_offset, n
+        )
+        if batch_id < 0 or batch_id in _BAD_BATCH_IDS:
+            raise MooncakeTEError(
+                f"Mooncake TE could not submit a write of {n} bytes to {dest.session_id} (code "
+                f"{batch_id}): the peer's engine is unreachable or exited"
+            )
+        return PendingWrite(self._engine, batch_id, n, dest.session_id, src)
 
     def read(
         self,

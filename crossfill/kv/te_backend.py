@@ -5,17 +5,37 @@ transfer keeps the built-in protocol for control (manifest, per-frame notices an
 commit; same checks, reasons and counters as the TCP backend) and only the frame bytes move by TE:
 
 1. the sender sends the MANIFEST on a control stream; the receiver accepts it, registers a
-   staging region for the transfer and answers with its TE buffer descriptor;
+   staging region for the transfer (once: a sender that reconnects gets the same region back) and
+   answers with its TE buffer descriptor;
 2. per frame, the sender copies the encoded frame into its own registered staging buffer at an
-   offset of a ring, TE-writes it to the same offset of the receiver's region, then sends a
-   FRAME_REF (offset, length) on the control stream;
+   offset of a ring and TE-writes it to the same offset of the receiver's region.  Up to
+   `MAX_WRITES` writes are in flight at once, submitted without blocking and polled from the
+   event loop; frames queued next to each other in the ring share one write (up to
+   `COALESCE_BYTES`).  Once a write has landed, the sender sends one FRAME_REF (offset, length)
+   per frame on the control stream;
 3. the receiver copies the frame out of its region, verifies and decodes it exactly like an inline
    frame, hands it to the sink and answers; an answered frame frees its ring space; refused
    frames are written again up to max_retry times;
-4. COMMIT as usual.
+4. COMMIT as soon as every frame has its FRAME_REF on the stream: the receiver handles a stream's
+   messages in order, so it sees the commit after the frames, one round trip earlier than waiting
+   for every answer.  The sender keeps the encoded frames until the commit is acknowledged.
 
-Limits: one control stream per transfer and no reconnection (a broken stream fails the transfer
-with `connection`, and the caller's fallback applies); TE calls block, so they run in a thread.
+A broken control stream, or one that owes answers for timeout_ms, is reconnected (short
+backoff; max_retry times in a row without an answer in between): the sender sends the manifest
+again, gets the same region back, sends FRAME_REFs again for every frame not yet answered (their
+bytes are still in the region, since only an answer frees ring space) and then the commit if it
+was in flight.  A frame the receiver had already accepted is acknowledged again without reaching
+the sink twice; if the receiver already completed the transfer (the commit's answer was lost), its
+manifest answer says so and the sender takes that as the acknowledgement.  TE writes go on while
+the control stream is down.
+
+Limits: one control stream per transfer, and the receiver handles its frames one at a time; every
+frame is copied into the sender's staging (TE reads registered memory only) and out of the
+receiver's region.  A TE write that fails is retried up to max_retry times, but TE writes that
+make no progress for timeout_ms fail the transfer with `connection` (the caller's fallback
+applies), as does a receiver that cannot be reached again within max_retry reconnections.  A
+failed transfer's staging buffer stays registered until its writes in flight have finished (for
+good, logged, if TE reports one timed out, since TE may still read it).
 """
 
 from __future__ import annotations
@@ -24,10 +44,13 @@ import asyncio
 import collections
 import contextlib
 import json
+import logging
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Assembly
@@ -38,6 +61,7 @@ from crossfill.kv.mooncake_te import (
     BufferDescriptor,
     MooncakeTEError,
     MooncakeTransferEngine,
+    PendingWrite,
     RegisteredBuffer,
 )
 from crossfill.kv.tcp import FATAL_REASONS, KVReceiver, parse_endpoint
@@ -55,9 +79,34 @@ from crossfill.kv.wire import (
     read_message,
 )
 
+log = logging.getLogger(__name__)
+
 FRAME_REF = struct.Struct("!QI")
 DEFAULT_REGION_BYTES = 64 << 20
+# TE writes in flight per transfer.  Over TE's TCP transport on loopback, one 1 MiB write at a time
+# reaches about half of what 4-8 concurrent ones do; more than 8 gained nothing.
+MAX_WRITES = 8
+# Frames queued next to each other in the ring go in one TE write up to this size: fewer batches
+# to submit and poll when frames are small, while ~1 MiB frames still spread over several writes.
+COALESCE_BYTES = 4 << 20
+# Pause between polls of the writes in flight: it doubles from the first value up to the second
+# while none finishes and drops back when one does.  Polling without a pause starved TE's own
+# threads on a 2-core host (half the rate); starting at 1 ms cost about a third.  The event loop
+# rounds an idle wait up to 1 ms, but answers arriving on the control stream wake it sooner; a
+# worker thread polling every 100 us measured no better on loopback, so the loop does it.
+_POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002
+# Codecs that do real work encode large frames in a worker thread, as in the TCP backend.
+_THREAD_ENCODE_BYTES = 1 << 20
+# Manifest refusals that may clear up (the decode side has not registered the cache id yet, or
+# the message was corrupted): retried like a broken stream.
+_RETRY_MANIFEST = frozenset({Reason.UNKNOWN_CACHE_ID, Reason.CHECKSUM, Reason.MALFORMED})
+# How long a failed transfer's staging buffer is kept for TE writes still in flight to finish.
+_RELEASE_WAIT_S = 60.0
 
+
+# =============================================================================================
+# receiver
+# =============================================================================================
 
 class TEReceiver(KVReceiver):
     """KVReceiver whose frames arrive by Mooncake TE into a per-transfer registered region."""
@@ -74,6 +123,10 @@ class TEReceiver(KVReceiver):
     def _accepted_text(self, a: Assembly) -> str:
         region = self._regions.get(a.cache_id)
         if region is None:
+            if a.finished:
+                # Its commit was accepted and the region released: a sender that lost the commit's
+                # answer and reconnected learns the outcome, and no region is registered again.
+                return json.dumps({"complete": True})
             assert a.manifest is not None
             size = max(max_frame_body(a.manifest), min(self.region_bytes, _total_bound(a.manifest)))
             region = self._regions[a.cache_id] = self.engine.allocate(size)
@@ -84,6 +137,14 @@ class TEReceiver(KVReceiver):
             self._counters.refuse(Reason.UNKNOWN_CACHE_ID)
             return answer(MsgType.FRAME_ACK, Reason.UNKNOWN_CACHE_ID, 0, "frame on a stream with no accepted manifest")
         region = self._regions.get(bound.cache_id)
+        if region is None and bound.finished:  # the region went with the transfer
+            failure = bound.done.exception()
+            if failure is None:
+                # A reconnected sender repeating a FRAME_REF whose answer it lost, after its
+                # commit completed the transfer: that frame was accepted.
+                return answer(MsgType.FRAME_ACK, Reason.OK, 0, "transfer already complete")
+            self._counters.refuse(Reason.ABORTED)
+            return answer(MsgType.FRAME_ACK, Reason.ABORTED, 0, f"transfer already failed: {failure}")
         if len(body) != FRAME_REF.size or region is None:
             self._counters.refuse(Reason.MALFORMED)
             return answer(MsgType.FRAME_ACK, Reason.MALFORMED, 0, "bad FRAME_REF")
@@ -92,7 +153,9 @@ class TEReceiver(KVReceiver):
             self._counters.refuse(Reason.OVERSIZED)
             return answer(MsgType.FRAME_ACK, Reason.OVERSIZED, 0,
                           f"frame at [{offset}, {offset + length}) outside the {region.nbytes}-byte region")
-        data = region.array[offset:offset + length].tobytes()  # copy out before the sender reuses the space
+        # An owned, writable copy: the checksum and the decoder see the same bytes even if the
+        # region is written again, and the decoder may build the sink's tensors over it in place.
+        data = bytearray(region.array[offset:offset + length])
         return await self._on_frame(bound, data)
 
     def _retire(self, cache_id: str) -> None:
@@ -111,13 +174,23 @@ def _total_bound(m: Manifest) -> int:
     return m.frame_count * max_frame_body(m)
 
 
+# =============================================================================================
+# sender
+# =============================================================================================
+
 class TESender(TransferBackend):
-    """Sends transfers to a TEReceiver: control to `endpoint`, bytes by `engine`."""
+    """Sends transfers to a TEReceiver: control to `endpoint`, bytes by `engine`.
+
+    `timeout_ms` bounds each wait (connecting, an answer owed, TE writes making progress);
+    `max_retry` bounds refusals per frame, failed writes per frame and reconnections in a row.
+    """
 
     name = "mooncake-te"
 
     def __init__(self, endpoint: str | tuple[str, int], engine: MooncakeTransferEngine, *,
                  timeout_ms: int = 8000, max_retry: int = 2) -> None:
+        if timeout_ms <= 0 or max_retry < 0:
+            raise ValueError(f"timeout_ms must be > 0 and max_retry >= 0, got {timeout_ms} and {max_retry}")
         self.host, self.port = parse_endpoint(endpoint)
         self.engine = engine
         self.timeout_s = timeout_ms / 1000
@@ -137,12 +210,34 @@ class TESender(TransferBackend):
                 await tx.abort("transfer left without commit()")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
+    """One frame's place in the ring, in the sender's staging and the receiver's region alike."""
+
     frame: Frame
     offset: int
     length: int
-    done: bool = False
+    # staged (needs a TE write) -> writing -> written (needs a FRAME_REF) -> referenced -> done
+    state: str = "staged"
+    write_failures: int = 0
+
+
+@dataclass(eq=False)
+class _Write:
+    """One TE write in flight, covering slots that lie next to each other in the ring."""
+
+    pending: PendingWrite
+    slots: list[_Slot]
+    remote: BufferDescriptor  # the region it lands in (a reconnect may hand out another)
+
+
+class _Retry(Exception):
+    """The control stream broke or was refused in a way that reconnecting may fix."""
+
+    def __init__(self, reason: Reason, text: str) -> None:
+        super().__init__(text)
+        self.reason = reason
+        self.text = text
 
 
 class _TETransfer(OutgoingTransfer):
@@ -150,43 +245,51 @@ class _TETransfer(OutgoingTransfer):
         self.s = sender
         self.m = manifest
         self.cutter = FrameCutter(manifest)
-        self.checksums: dict[int, int] = {}
-        self.ring: collections.deque[_Slot] = collections.deque()  # written, not yet answered (FIFO space)
-        self.answers: collections.deque[_Slot | str] = collections.deque()  # what each next answer is for
+        self.frames: dict[int, Frame] = {}  # pinned until the commit is acknowledged
         self.retries: collections.Counter[int] = collections.Counter()
-        self.error: TransferError | None = None
-        self.committed = False
-        self.cond = asyncio.Condition()
-        self.commit_answer: asyncio.Future[tuple[Reason, str]] | None = None
-        self.raw_bytes = self.wire_bytes = self.retransmits = 0
-        self.t_open = time.monotonic()
-        self.t_last_send = self.t_open
+        self.raw_bytes = self.wire_bytes = self.retransmits = self.reconnects = 0
+        # Ring space is held from the oldest unanswered slot (ring[0]) up to `head`, wrapping.
+        self.ring: collections.deque[_Slot] = collections.deque()
+        self.head = 0
+        self.to_write: collections.deque[_Slot] = collections.deque()
+        self.writes: list[_Write] = []
+        self.to_ref: collections.deque[_Slot] = collections.deque()  # written, FRAME_REF not on this stream
+        self.answers: collections.deque[_Slot | str] = collections.deque()  # what the stream's next answers are for
+        self.commit_msg = b""
+        self.commit_state: str | None = None  # "due": to send on the current stream; "sent": answer owed
+        self.commit_answer: asyncio.Future[tuple[Reason, str, tuple[int, ...]]] | None = None
         self.staging: RegisteredBuffer | None = None
         self.remote: BufferDescriptor | None = None
-        self.head = 0  # next free offset in the ring
-        self.reader: asyncio.Task[None] | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.failures = 0  # stream breaks and failed reconnections since the last answer
+        self.error: TransferError | None = None
+        self.committed = False
+        self.closed = False
+        self.changed = asyncio.Event()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.poller: asyncio.Task[None] | None = None
+        now = time.monotonic()
+        self.t_open = self.t_last_send = now
+        self.last_answer = now  # answers owed on the stream are owed since then
+        self.last_write = now  # a TE write last finished then (or the first of a busy spell was submitted)
+        self.last_progress = now
+        # No answer, write or handshake for this long means something hangs that no other
+        # deadline caught: the longest a run of reconnections (connect + manifest answer + backoff
+        # each) may take.
+        self.stall_s = (sender.max_retry + 1) * (2 * sender.timeout_s + 1.0)
 
+    # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
-        try:
-            r, w = await asyncio.wait_for(asyncio.open_connection(self.s.host, self.s.port), self.s.timeout_s)
-        except (OSError, TimeoutError) as exc:
-            raise self._fail(Reason.CONNECTION, f"control stream to {self.s.host}:{self.s.port}: {exc}") from exc
-        self.writer = w
-        w.write(message(MsgType.MANIFEST, manifest_body(self.m)))
-        try:
-            kind, code, body = await asyncio.wait_for(read_message(r, 1 << 20), self.s.timeout_s)
-            ans = parse_answer(kind, code, body)
-        except (OSError, TimeoutError, WireError, asyncio.IncompleteReadError) as exc:
-            raise self._fail(Reason.CONNECTION, f"no manifest answer: {exc}") from exc
-        if ans.reason is not Reason.OK:
-            raise self._fail(ans.reason, f"manifest refused: {ans.text}")
-        try:
-            self.remote = BufferDescriptor.from_json(ans.text)
-            self.staging = await asyncio.to_thread(self.s.engine.allocate, self.remote.nbytes)
-        except (MooncakeTEError, json.JSONDecodeError) as exc:
-            raise self._fail(Reason.CONNECTION, f"cannot set up Mooncake TE staging: {exc}") from exc
-        self.reader = asyncio.create_task(self._read_answers(r))
+        for coro in (self._keep_stream(), self._watchdog()):
+            task = asyncio.create_task(coro)
+            task.add_done_callback(self._task_done)
+            self.tasks.append(task)
+        await self._wait(lambda: self.staging is not None, "the receiver's manifest answer")
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        """A background task that died of a bug fails the transfer instead of leaving it to hang."""
+        if not task.cancelled() and task.exception() is not None:
+            self._fail(Reason.CONNECTION, f"internal error in the TE sender: {task.exception()!r}")
 
     def _fail(self, reason: Reason, text: str) -> TransferError:
         if self.error is None:
@@ -194,100 +297,238 @@ class _TETransfer(OutgoingTransfer):
             if self.commit_answer is not None and not self.commit_answer.done():
                 self.commit_answer.set_exception(self.error)
                 self.commit_answer.exception()
-            asyncio.get_running_loop().create_task(self._notify())
+            self.changed.set()
         return self.error
 
-    async def _notify(self) -> None:
-        async with self.cond:
-            self.cond.notify_all()
+    async def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait until `ready()`, raising the transfer's error; fails it if nothing progresses for stall_s."""
+        while True:
+            if self.error is not None:
+                raise self.error
+            if ready():
+                return
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), self.s.timeout_s)
+            except TimeoutError:
+                if time.monotonic() - self.last_progress > self.stall_s:
+                    raise self._fail(Reason.TIMEOUT, f"no progress towards {what} for {self.stall_s:.1f} s") from None
+
+    async def abort(self, reason: str) -> None:
+        if self.closed:
+            return
+        if self.writer is not None and not self.writer.is_closing():
+            with contextlib.suppress(Exception):
+                self.writer.write(message(MsgType.ABORT, reason.encode()[:1024]))
+        self._fail(Reason.ABORTED, reason)
+        await self._close()
+
+    async def _close(self) -> None:
+        self.closed = True
+        tasks = [t for t in (*self.tasks, self.poller) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.frames.clear()  # unpin: the commit was acknowledged, or the transfer is over
+        self.ring.clear()
+        self.to_write.clear()
+        self.to_ref.clear()
+        self._release_staging()
+
+    def _release_staging(self) -> None:
+        staging, pending = self.staging, [w.pending for w in self.writes]
+        self.staging, self.writes = None, []
+        if staging is None:
+            return
+        if all(p.finished for p in pending):
+            self.s.engine.unregister(staging)
+            return
+        # TE may still read the staging for writes in flight: release it once they have finished.
+        task = asyncio.get_running_loop().create_task(_release_later(self.s.engine, staging, pending))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
 
     # -- sending --------------------------------------------------------------------------
     async def send(self, chunk: LayerKVChunk) -> None:
         if self.error is not None:
             raise self.error
+        if self.committed or self.closed:
+            raise RuntimeError("send() after commit() or abort()")
         for piece in self.cutter.cut(chunk):
-            frame = encode_piece(self.m, piece) if self.m.codec == "none" else \
-                await asyncio.to_thread(encode_piece, self.m, piece)
-            self.checksums[frame.seq] = frame.checksum
+            if self.m.codec != "none" and piece.k.numel() * piece.k.element_size() * 2 >= _THREAD_ENCODE_BYTES:
+                frame = await asyncio.to_thread(encode_piece, self.m, piece)
+            else:
+                frame = encode_piece(self.m, piece)
+            self.frames[frame.seq] = frame
             self.raw_bytes += frame.raw_len
             self.wire_bytes += frame.payload_len
-            await self._place(frame)
+            await self._stage(frame)
+            self._kick()
+            # Let the poller reap finished writes (and send their FRAME_REFs) between frames, so a
+            # large chunk does not leave TE idle once MAX_WRITES are in flight.
+            await asyncio.sleep(0)
         self.t_last_send = time.monotonic()
+
+    async def _stage(self, frame: Frame) -> None:
+        """Copy a frame into free ring space of the staging buffer and queue its TE write."""
+        header = frame.header()
+        length = len(header) + frame.payload_len
+        offset = await self._reserve(length)
+        assert self.staging is not None
+        at = offset
+        for part in (header, *frame.parts):  # straight into staging: no joined temporary copy
+            src = np.frombuffer(part, dtype=np.uint8)
+            self.staging.array[at:at + src.size] = src
+            at += src.size
+        slot = _Slot(frame, offset, length)
+        self.ring.append(slot)
+        self.to_write.append(slot)
+
+    def _fits(self, length: int) -> int | None:
+        """Offset of `length` free bytes in the ring, or None while answers have not freed enough."""
+        assert self.remote is not None
+        size = self.remote.nbytes
+        if not self.ring:
+            return 0
+        tail = self.ring[0].offset
+        if self.head > tail:  # free: [head, size) and [0, tail)
+            if self.head + length <= size:
+                return self.head
+            return 0 if length <= tail else None
+        return self.head if self.head + length <= tail else None  # free: [head, tail)
 
     async def _reserve(self, length: int) -> int:
         """Offset of `length` free bytes in the ring; waits for answers to free space (backpressure)."""
         assert self.remote is not None
-        size = self.remote.nbytes
-        if length > size:
-            raise self._fail(Reason.OVERSIZED, f"frame of {length} bytes exceeds the receiver's region of {size}")
-
-        def fits() -> int | None:
-            # Live slots occupy the ring from the oldest unanswered one (tail) up to head, wrapping.
-            if not self.ring:
-                return 0
-            tail = self.ring[0].offset
-            if self.head > tail:  # free: [head, size) and [0, tail)
-                if self.head + length <= size:
-                    return self.head
-                return 0 if length <= tail else None
-            return self.head if self.head + length <= tail else None  # free: [head, tail)
-
-        async with self.cond:
-            await self.cond.wait_for(lambda: self.error is not None or fits() is not None)
-        if self.error is not None:
-            raise self.error
-        offset = fits()
+        if length > self.remote.nbytes:
+            raise self._fail(Reason.OVERSIZED,
+                             f"frame of {length} bytes exceeds the receiver's region of {self.remote.nbytes}")
+        if self._fits(length) is None:
+            self._kick()  # what is staged must go out, or no answer will free space
+            await self._wait(lambda: self._fits(length) is not None, "free ring space")
+        offset = self._fits(length)
         assert offset is not None
         self.head = offset + length
         return offset
 
-    async def _place(self, frame: Frame, slot: _Slot | None = None) -> None:
-        data = frame.body()
-        if slot is None:
-            offset = await self._reserve(len(data))
-            slot = _Slot(frame, offset, len(data))
-            self.ring.append(slot)
-        assert self.staging is not None and self.remote is not None and self.writer is not None
-        self.staging.array[slot.offset:slot.offset + slot.length] = memoryview(data)
-        try:
-            await asyncio.to_thread(self.s.engine.write, self.staging, self.remote, slot.length, slot.offset,
-                                    slot.offset)
-        except MooncakeTEError as exc:
-            raise self._fail(Reason.CONNECTION, str(exc)) from exc
-        self.answers.append(slot)
-        self.writer.write(message(MsgType.FRAME_REF, FRAME_REF.pack(slot.offset, slot.length)))
-        await self.writer.drain()
+    def _kick(self) -> None:
+        """Move the transfer on: submit staged writes, then send the FRAME_REFs and commit that are due."""
+        if self.error is not None or self.closed:
+            return
+        self._submit_writes()
+        if self.writer is not None and not self.writer.is_closing():
+            self._send_refs()
+            self._send_commit()
+        if self.writes and self.poller is None:
+            self.poller = asyncio.get_running_loop().create_task(self._poll_writes())
+            self.poller.add_done_callback(self._task_done)
 
-    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
+    def _submit_writes(self) -> None:
+        assert self.staging is not None and self.remote is not None
+        while self.to_write and len(self.writes) < MAX_WRITES and self.error is None:
+            run = [self.to_write.popleft()]
+            size = run[0].length
+            while (self.to_write and self.to_write[0].offset == run[-1].offset + run[-1].length
+                   and size + self.to_write[0].length <= COALESCE_BYTES):
+                run.append(self.to_write.popleft())
+                size += run[-1].length
+            try:
+                pending = self.s.engine.submit_write(self.staging, self.remote, size, run[0].offset, run[0].offset)
+            except MooncakeTEError as exc:
+                self._write_failed(run, exc)
+                continue
+            for slot in run:
+                slot.state = "writing"
+            if not self.writes:
+                self.last_write = time.monotonic()  # a busy spell starts: progress is measured from here
+            self.writes.append(_Write(pending, run, self.remote))
+
+    def _write_failed(self, run: list[_Slot], exc: MooncakeTEError) -> None:
+        """Queue a failed write's frames again (first, they are the oldest), within max_retry each."""
+        for slot in run:
+            slot.write_failures += 1
+            if slot.write_failures > self.s.max_retry:
+                self._fail(Reason.CONNECTION, f"frame {slot.frame.seq}: {exc} (gave up after {self.s.max_retry} "
+                           "retries)")
+                return
+        self.retransmits += len(run)
+        for slot in reversed(run):
+            slot.state = "staged"
+            self.to_write.appendleft(slot)
+
+    async def _poll_writes(self) -> None:
+        """Runs while TE writes are in flight: finished ones get their FRAME_REFs sent."""
+        pause = _POLL_MIN_S
         try:
-            while True:
-                kind, code, body = await read_message(reader, 1 << 20)
-                ans = parse_answer(kind, code, body)
-                what = self.answers.popleft() if self.answers else None
-                if what == "commit":
-                    if self.commit_answer is not None and not self.commit_answer.done():
-                        self.commit_answer.set_result((ans.reason, ans.text))
-                    continue
-                if not isinstance(what, _Slot):
-                    raise WireError(Reason.MALFORMED, f"unsolicited {kind.name}")
-                if ans.reason is Reason.OK:
-                    what.done = True
-                    while self.ring and self.ring[0].done:
-                        self.ring.popleft()
-                elif ans.reason in FATAL_REASONS:
-                    self._fail(ans.reason, f"frame {what.frame.seq} refused: {ans.text}")
+            while self.writes and self.error is None and not self.closed:
+                await asyncio.sleep(pause)
+                if self._reap_writes():
+                    pause = _POLL_MIN_S
+                    self.last_write = self.last_progress = time.monotonic()
+                    self.changed.set()
                 else:
-                    self.retries[what.frame.seq] += 1
-                    if self.retries[what.frame.seq] > self.s.max_retry:
-                        self._fail(ans.reason, f"frame {what.frame.seq} refused {self.retries[what.frame.seq]} "
-                                   f"times, last: {ans.text}")
-                    else:
-                        self.retransmits += 1
-                        asyncio.get_running_loop().create_task(self._place(what.frame, what))
-                await self._notify()
-        except (OSError, asyncio.IncompleteReadError, WireError) as exc:
-            if not self.committed:
-                self._fail(Reason.CONNECTION, f"control stream lost: {exc}")
+                    pause = min(_POLL_MAX_S, pause * 2)
+                    if self.writes and time.monotonic() - self.last_write > self.s.timeout_s:
+                        self._fail(Reason.CONNECTION, f"Mooncake TE writes to {self.writes[0].pending.peer} made no "
+                                   f"progress for {self.s.timeout_s * 1000:.0f} ms")
+                self._kick()
+        finally:
+            self.poller = None
+
+    def _reap_writes(self) -> int:
+        """Collect the writes that finished; return how many did."""
+        still: list[_Write] = []
+        failed: list[tuple[_Write, MooncakeTEError]] = []
+        for w in self.writes:
+            try:
+                if not w.pending.poll():
+                    still.append(w)
+                    continue
+            except MooncakeTEError as exc:
+                failed.append((w, exc))
+                continue
+            for slot in w.slots:
+                if slot.state != "writing":
+                    continue  # the receiver reported the transfer complete meanwhile
+                if w.remote == self.remote:
+                    slot.state = "written"
+                    self.to_ref.append(slot)
+                else:  # it landed in a region the receiver no longer uses
+                    slot.state = "staged"
+                    self.to_write.append(slot)
+        finished = len(self.writes) - len(still)
+        self.writes = still
+        for w, exc in failed:
+            self._write_failed([s for s in w.slots if s.state == "writing"], exc)
+        return finished
+
+    def _send_refs(self) -> None:
+        assert self.writer is not None
+        if not self.answers:
+            self.last_answer = time.monotonic()  # answers are owed from now on
+        out: list[bytes] = []
+        while self.to_ref:
+            slot = self.to_ref.popleft()
+            if slot.state == "written":
+                slot.state = "referenced"
+                self.answers.append(slot)
+                out.append(message(MsgType.FRAME_REF, FRAME_REF.pack(slot.offset, slot.length)))
+        if out:
+            self.writer.write(b"".join(out))
+
+    def _send_commit(self) -> None:
+        """Send the commit once every frame not yet answered has its FRAME_REF on this stream."""
+        assert self.writer is not None
+        if self.commit_state != "due" or self.to_write or self.writes or self.to_ref:
+            return
+        if not self.answers:
+            self.last_answer = time.monotonic()
+        self.commit_state = "sent"
+        self.answers.append("commit")
+        self.writer.write(self.commit_msg)
 
     async def commit(self) -> TransferStats:
         if self.error is not None:
@@ -295,45 +536,214 @@ class _TETransfer(OutgoingTransfer):
         missing = self.cutter.incomplete()
         if missing:
             raise ChunkError("commit() before all KV was sent: " + "; ".join(missing[:4]))
-        assert self.writer is not None
-        digest = commit_digest([self.checksums[s] for s in range(self.m.frame_count)])
+        digest = commit_digest([self.frames[s].checksum for s in range(self.m.frame_count)])
+        self.commit_msg = message(MsgType.COMMIT, commit_body(self.m.frame_count, digest))
         for attempt in range(self.s.max_retry + 1):
-            async with self.cond:  # retransmissions must be placed before the commit
-                await self.cond.wait_for(lambda: self.error is not None or all(s.done for s in self.ring))
-            if self.error is not None:
-                raise self.error
-            self.commit_answer = asyncio.get_running_loop().create_future()
-            self.answers.append("commit")
-            self.writer.write(message(MsgType.COMMIT, commit_body(self.m.frame_count, digest)))
-            try:
-                reason, text = await asyncio.wait_for(self.commit_answer, self.s.timeout_s)
-            except TimeoutError:
-                raise self._fail(Reason.TIMEOUT, "no commit acknowledgement") from None
+            fut = self.commit_answer = asyncio.get_running_loop().create_future()
+            self.commit_state = "due"
+            self._kick()
+            await self._wait(fut.done, "the commit's acknowledgement")
+            reason, text, missing_seqs = fut.result()
             if reason is Reason.OK:
                 break
-            if reason is not Reason.CHECKSUM or attempt == self.s.max_retry:
+            if reason not in (Reason.INCOMPLETE, Reason.CHECKSUM) or attempt == self.s.max_retry:
                 raise self._fail(reason, f"commit refused: {text}")
+            await self._stage_missing(missing_seqs)
         self.committed = True
         now = time.monotonic()
+        stats = TransferStats(
+            cache_id=self.m.cache_id, frames=self.m.frame_count, raw_bytes=self.raw_bytes,
+            wire_bytes=self.wire_bytes, retransmits=self.retransmits, reconnects=self.reconnects,
+            duration_s=now - self.t_open, commit_wait_s=now - self.t_last_send,
+        )
         await self._close()
-        return TransferStats(self.m.cache_id, self.m.frame_count, self.raw_bytes, self.wire_bytes, self.retransmits,
-                             0, now - self.t_open, now - self.t_last_send)
+        return stats
 
-    async def abort(self, reason: str) -> None:
-        if self.writer is not None and not self.writer.is_closing():
-            with contextlib.suppress(Exception):
-                self.writer.write(message(MsgType.ABORT, reason.encode()[:1024]))
-        self._fail(Reason.ABORTED, reason)
-        self.committed = True
-        await self._close()
+    async def _stage_missing(self, seqs: tuple[int, ...]) -> None:
+        """Stage again the frames the receiver reports missing that are not already on their way."""
+        on_the_way = {s.frame.seq for s in self.ring if s.state != "done"}
+        for seq in seqs:
+            if seq not in on_the_way and seq in self.frames:
+                self.retransmits += 1
+                await self._stage(self.frames[seq])
+                self._kick()
 
-    async def _close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-            with contextlib.suppress(BaseException):
-                await self.reader
+    # -- the control stream ---------------------------------------------------------------
+    async def _keep_stream(self) -> None:
+        """Own the control stream: open it, read its answers, and open it again after a break."""
+        while self.error is None and not self.closed:
+            try:
+                reader = await self._handshake()
+                await self._read_answers(reader)
+            except TransferError:
+                return  # fatal: _fail has recorded it
+            except _Retry as exc:
+                last = exc
+            except (OSError, TimeoutError, EOFError, WireError) as exc:
+                last = _Retry(Reason.CONNECTION, f"control stream lost: {type(exc).__name__}: {exc}")
+            self._drop_stream()
+            if self.error is not None or self.closed:
+                return
+            self.failures += 1
+            if self.failures > self.s.max_retry:
+                self._fail(last.reason, f"{self.s.host}:{self.s.port}: {last.text} (gave up after "
+                           f"{self.s.max_retry} retries)")
+                return
+            self.reconnects += 1
+            await asyncio.sleep(min(1.0, 0.05 * 2 ** (self.failures - 1)))
+
+    async def _handshake(self) -> asyncio.StreamReader:
+        """Connect, send the manifest and take the receiver's region from its answer."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(self.s.host, self.s.port),
+                                                    self.s.timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise _Retry(Reason.CONNECTION, f"cannot open the control stream: {type(exc).__name__}: {exc}") from exc
+        try:
+            writer.write(message(MsgType.MANIFEST, manifest_body(self.m)))
+            try:
+                kind, code, body = await asyncio.wait_for(read_message(reader, 1 << 20), self.s.timeout_s)
+                ans = parse_answer(kind, code, body)
+            except (OSError, TimeoutError, EOFError, WireError) as exc:
+                raise _Retry(Reason.CONNECTION, f"no manifest answer: {type(exc).__name__}: {exc}") from exc
+            if ans.reason in _RETRY_MANIFEST:  # e.g. decode has not registered the cache id yet
+                raise _Retry(ans.reason, f"manifest refused: {ans.text}")
+            if ans.reason is not Reason.OK:
+                raise self._fail(ans.reason, f"manifest refused: {ans.text}")
+            await self._adopt(ans.text)
+        except BaseException:
+            writer.transport.abort()
+            raise
+        self.writer = writer
+        self.last_answer = self.last_progress = time.monotonic()
+        self._kick()  # FRAME_REFs not yet answered and the commit, if due, go out again
+        self.changed.set()
+        return reader
+
+    async def _adopt(self, text: str) -> None:
+        """Take the receiver's region (first stream) or check that a reconnect got the same one."""
+        try:
+            if json.loads(text or "null") == {"complete": True}:
+                self._receiver_completed()
+                return
+            remote = BufferDescriptor.from_json(text)
+        except (ValueError, MooncakeTEError) as exc:
+            raise self._fail(Reason.CONNECTION, f"the receiver gave no Mooncake TE region ({exc}); "
+                             "is it a TEReceiver?") from exc
+        if self.remote is None:
+            try:
+                staging = self.s.engine.allocate(remote.nbytes)
+            except MooncakeTEError as exc:
+                raise self._fail(Reason.CONNECTION, f"cannot set up Mooncake TE staging: {exc}") from exc
+            self.staging, self.remote = staging, remote
+            return
+        if remote == self.remote:
+            return  # the frames' bytes are still there
+        if remote.nbytes != self.remote.nbytes:
+            raise self._fail(Reason.CONNECTION, f"the receiver's region changed from {self.remote.nbytes} to "
+                             f"{remote.nbytes} bytes on a reconnect")
+        # Another region of the same size: every frame not yet answered is written into it again.
+        self.remote = remote
+        for slot in self.ring:
+            if slot.state == "written":
+                slot.state = "staged"
+        self.to_ref.clear()
+        self.to_write = collections.deque(s for s in self.ring if s.state == "staged")
+
+    def _receiver_completed(self) -> None:
+        """The receiver verified our commit but its answer was lost with the old stream."""
+        if self.commit_answer is None or self.commit_answer.done():
+            raise self._fail(Reason.DUPLICATE, "the receiver already completed a transfer with this cache id")
+        for slot in self.ring:
+            slot.state = "done"
+        self.ring.clear()
+        self.to_write.clear()
+        self.to_ref.clear()
+        self.commit_state = None
+        self.commit_answer.set_result((Reason.OK, "completed before the control stream broke", ()))
+
+    def _drop_stream(self) -> None:
+        """Forget a broken stream: what it owed answers for goes out again on the next one."""
         if self.writer is not None:
-            self.writer.close()
-        if self.staging is not None:
-            self.s.engine.unregister(self.staging)
-            self.staging = None
+            self.writer.transport.abort()
+            self.writer = None
+        self.answers.clear()
+        for slot in self.ring:
+            if slot.state == "referenced":
+                slot.state = "written"
+        self.to_ref = collections.deque(s for s in self.ring if s.state == "written")
+        if self.commit_state == "sent":
+            self.commit_state = "due"
+
+    async def _read_answers(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            kind, code, body = await read_message(reader, 1 << 20)
+            ans = parse_answer(kind, code, body)
+            if not self.answers:
+                raise WireError(Reason.MALFORMED, f"unsolicited {kind.name}: {ans.text}")
+            what = self.answers.popleft()
+            self.last_answer = self.last_progress = time.monotonic()
+            self.failures = 0  # the stream works: reconnections are counted afresh
+            if isinstance(what, _Slot):
+                self._on_frame_answer(what, ans.reason, ans.text)
+            else:
+                self.commit_state = None
+                if self.commit_answer is not None and not self.commit_answer.done():
+                    self.commit_answer.set_result((ans.reason, ans.text, ans.missing))
+            self._kick()
+            self.changed.set()
+
+    def _on_frame_answer(self, slot: _Slot, reason: Reason, text: str) -> None:
+        seq = slot.frame.seq
+        if reason is Reason.OK:
+            slot.state = "done"
+            while self.ring and self.ring[0].state == "done":
+                self.ring.popleft()
+            return
+        if reason in FATAL_REASONS:
+            self._fail(reason, f"frame {seq} refused: {text}")
+            return
+        self.retries[seq] += 1
+        if self.retries[seq] > self.s.max_retry:
+            self._fail(reason, f"frame {seq} refused {self.retries[seq]} times, last: {text}")
+            return
+        # Write it again from staging (its ring space is still held) and reference it again.
+        self.retransmits += 1
+        slot.state = "staged"
+        self.to_write.appendleft(slot)
+
+    async def _watchdog(self) -> None:
+        """Drop a control stream that owes answers for timeout_ms without giving one: it reconnects."""
+        period = min(0.25, self.s.timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if (self.writer is not None and self.answers
+                    and time.monotonic() - self.last_answer > self.s.timeout_s):
+                self.writer.transport.abort()
+
+
+# Tasks releasing staging buffers of finished transfers (a strong reference keeps them running).
+_BACKGROUND: set[asyncio.Task[None]] = set()
+# Staging buffers TE may still be reading for writes it timed out on: never freed (rare; logged).
+_STRANDED: list[RegisteredBuffer] = []
+
+
+async def _release_later(engine: MooncakeTransferEngine, staging: RegisteredBuffer,
+                         pending: list[PendingWrite]) -> None:
+    deadline = time.monotonic() + _RELEASE_WAIT_S
+    while time.monotonic() < deadline:
+        for p in pending:
+            with contextlib.suppress(MooncakeTEError):
+                p.poll()
+        if all(p.finished for p in pending):
+            break
+        await asyncio.sleep(0.01)
+    if all(p.finished and not p.timed_out for p in pending):
+        engine.unregister(staging)
+        return
+    log.warning("Mooncake TE writes did not finish within %.0f s: keeping their %d-byte staging buffer registered",
+                _RELEASE_WAIT_S, staging.nbytes)
+    _STRANDED.append(staging)
+
+
+__all__ = ["TEReceiver", "TESender"]

@@ -129,3 +129,225 @@ async def test_between_two_processes(engines) -> None:
         expected.update(k[start:end].numpy().tobytes() + v[start:end].numpy().tobytes())
     assert int(frames) == m.frame_count == stats.frames
     assert digest == expected.hexdigest()
+
+
+# -- concurrency, reconnection, failure bounds ------------------------------------------------
+
+async def _send_layers(tx, kv, layers) -> None:
+    for layer in layers:
+        await tx.send(LayerKVChunk(layer, 0, *kv[layer]))
+
+
+def _count_writes(engine, monkeypatch) -> dict[str, int]:
+    """Spy on the sender engine's submit_write: writes submitted, and most in flight at one submit."""
+    seen = {"writes": 0, "most_in_flight": 0}
+    live: list = []
+    submit = engine.submit_write
+
+    def spy(*args, **kwargs):
+        live[:] = [p for p in live if not p.finished]
+        pending = submit(*args, **kwargs)
+        live.append(pending)
+        seen["writes"] += 1
+        seen["most_in_flight"] = max(seen["most_in_flight"], len(live))
+        return pending
+
+    monkeypatch.setattr(engine, "submit_write", spy)
+    return seen
+
+
+async def _many_frames(send_engine, recv_engine, cache_id: str, ring_frames: int):
+    from crossfill.kv.te_backend import TEReceiver, TESender
+
+    specs = hybrid_specs(n=8, heads=2, dim=32, window=64)
+    tokens = 600
+    kv = make_kv(specs, tokens, seed=3)
+    m = build_manifest(specs, tokens, cache_id=cache_id, frame_tokens=8)
+    sink = Collector()
+    async with TEReceiver(recv_engine, region_bytes=ring_frames * max_frame_body(m)) as rx:
+        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+        stats = await _send(TESender(rx.endpoint, send_engine), m, kv)
+        assert (await rx.wait(m.cache_id)) == m
+    assert stats.frames == sink.calls == m.frame_count > 25 * ring_frames
+    assert_identical(m, kv, sink)
+    return m
+
+
+async def test_many_frames_through_a_small_ring_overlap(engines, monkeypatch) -> None:
+    """About 200 frames through a ring of 6: writes overlap and the ring's space is reused throughout."""
+    send_engine, recv_engine = engines
+    seen = _count_writes(send_engine, monkeypatch)
+    await _many_frames(send_engine, recv_engine, "many-frames", ring_frames=6)
+    assert seen["most_in_flight"] > 1, "TE writes never overlapped"
+
+
+async def test_frames_queued_behind_busy_writes_share_a_write(engines, monkeypatch) -> None:
+    """With every write slot busy, frames that queue up next to each other in the ring go in one write."""
+    import crossfill.kv.te_backend as te_backend
+
+    send_engine, recv_engine = engines
+    monkeypatch.setattr(te_backend, "MAX_WRITES", 1)  # small frames outpace one write at a time
+    seen = _count_writes(send_engine, monkeypatch)
+    m = await _many_frames(send_engine, recv_engine, "coalesced", ring_frames=6)
+    assert seen["writes"] < m.frame_count, "frames next to each other were never written together"
+
+
+class _RecordManifestAnswers:
+    """Mixin for a TEReceiver: keeps the text of every accepted manifest's answer (its region)."""
+
+    def _accepted_text(self, a):
+        text = super()._accepted_text(a)
+        self.manifest_answers = [*getattr(self, "manifest_answers", []), text]
+        return text
+
+
+@pytest.mark.parametrize("direction, cut_after", [("up", 150), ("down", 120)])
+async def test_cut_control_stream_reconnects_and_completes_identically(engines, direction: str,
+                                                                        cut_after: int) -> None:
+    """The control stream is cut mid-transfer (FRAME_REFs lost, or their answers): the sender
+    reconnects, the receiver hands back the same region, every frame reaches the sink once."""
+    from crossfill.kv.te_backend import TEReceiver, TESender
+    from crossfill.net.linkemu import LinkEmulator
+
+    class Receiver(_RecordManifestAnswers, TEReceiver):
+        pass
+
+    send_engine, recv_engine = engines
+    specs = hybrid_specs(n=6, heads=2, dim=32)
+    kv = make_kv(specs, TOKENS, seed=1)
+    m = build_manifest(specs, TOKENS, cache_id=f"cut-{direction}")
+    sink = Collector()
+    async with Receiver(recv_engine, region_bytes=8 * max_frame_body(m)) as rx:
+        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+        async with LinkEmulator(upstream=("127.0.0.1", rx.port)) as emu:
+            sender = TESender(f"127.0.0.1:{emu.listen_port}", send_engine, timeout_ms=2000)
+            async with sender.open(m) as tx:
+                await _send_layers(tx, kv, [0])
+                emu.arm(cut_after_bytes=cut_after, direction=direction)
+                await _send_layers(tx, kv, range(1, 6))
+                stats = await tx.commit()
+            assert emu.counters.cuts >= 1
+        assert (await rx.wait(m.cache_id)) == m
+        regions_registered = len(rx._regions)
+    assert stats.reconnects >= 1
+    assert len(rx.manifest_answers) >= 2 and len(set(rx.manifest_answers)) == 1  # one region, handed out again
+    assert_identical(m, kv, sink)
+    assert sink.calls == m.frame_count  # a frame accepted before the cut was not applied again
+    assert regions_registered == 0  # the one region, released when the transfer retired
+
+
+class _LoseFirstCommitAnswer:
+    """Mixin for a TEReceiver: the first commit is verified (the transfer completes) but its
+    answer is lost with the stream, as when the link breaks right after the receiver acted."""
+
+    lost = False
+
+    async def _on_commit(self, bound, body):
+        reply = await super()._on_commit(bound, body)
+        if not self.lost:
+            self.lost = True
+            raise ConnectionResetError("test: the commit's answer is lost")
+        return reply
+
+
+@pytest.mark.parametrize("retired", [False, True], ids=["region-kept", "transfer-retired"])
+async def test_lost_commit_answer_reconnects_and_succeeds(engines, retired: bool) -> None:
+    """The sender reconnects after the commit was verified: it commits again on the same region,
+    or (the decode side already took the KV and released the region) learns it completed."""
+    import asyncio
+
+    from crossfill.kv.te_backend import TEReceiver, TESender
+
+    class Receiver(_LoseFirstCommitAnswer, _RecordManifestAnswers, TEReceiver):
+        pass
+
+    send_engine, recv_engine = engines
+    specs = hybrid_specs(n=3)
+    kv = make_kv(specs, TOKENS, seed=2)
+    m = build_manifest(specs, TOKENS, cache_id=f"lost-commit-{retired}")
+    sink = Collector()
+    async with Receiver(recv_engine) as rx:
+        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+        waiter = asyncio.create_task(rx.wait(m.cache_id)) if retired else None
+        async with TESender(rx.endpoint, send_engine, timeout_ms=2000).open(m) as tx:
+            await _send_layers(tx, kv, sorted(kv))
+            stats = await tx.commit()
+        assert (await (waiter or rx.wait(m.cache_id))) == m
+        assert rx.lost
+    first, *again = rx.manifest_answers
+    # retired: the region is gone and the receiver says the transfer completed; else: the same region
+    assert again == (['{"complete": true}'] if retired else [first])
+    assert stats.reconnects >= 1
+    assert_identical(m, kv, sink)
+    assert sink.calls == m.frame_count
+
+
+async def test_refused_frame_is_written_again(engines) -> None:
+    """A frame whose bytes arrive damaged is refused; the sender writes it again by TE and it is accepted."""
+    from crossfill.kv.te_backend import FRAME_REF, TEReceiver, TESender
+
+    class Receiver(TEReceiver):
+        damaged = 0
+
+        async def _on_frame_ref(self, bound, body):
+            region = self._regions.get(bound.cache_id) if bound is not None else None
+            if region is not None and self.damaged < 2:
+                self.damaged += 1
+                offset, length = FRAME_REF.unpack(body)
+                region.array[offset + length - 1] ^= 0xFF  # last payload byte
+            return await super()._on_frame_ref(bound, body)
+
+    send_engine, recv_engine = engines
+    specs = hybrid_specs(n=3)
+    kv = make_kv(specs, TOKENS, seed=4)
+    m = build_manifest(specs, TOKENS, cache_id="refused")
+    sink = Collector()
+    async with Receiver(recv_engine) as rx:
+        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+        stats = await _send(TESender(rx.endpoint, send_engine), m, kv)
+        assert (await rx.wait(m.cache_id)) == m
+        assert rx.counters().get("refused_checksum") == 2
+    assert stats.retransmits >= 2
+    assert_identical(m, kv, sink)
+    assert sink.calls == m.frame_count
+
+
+@pytest.mark.parametrize("how", ["closed", "silent"])
+async def test_receiver_gone_for_good_fails_with_connection_in_bounded_time(engines, how: str) -> None:
+    """The receiver disappears mid-transfer (its port closed, or a link that passes nothing): the
+    sender gives up after max_retry reconnections with `connection`, within its deadlines."""
+    import time
+
+    from crossfill.kv.te_backend import TEReceiver, TESender
+    from crossfill.net.linkemu import LinkEmulator
+
+    send_engine, recv_engine = engines
+    specs = hybrid_specs(n=4)
+    kv = make_kv(specs, TOKENS, seed=5)
+    m = build_manifest(specs, TOKENS, cache_id=f"gone-{how}")
+    timeout_ms, max_retry = 500, 2
+    rx = await TEReceiver(recv_engine).start()
+    emu = LinkEmulator(upstream=("127.0.0.1", rx.port))
+    await emu.start()
+    try:
+        rx.expect(m.cache_id, Collector(), fingerprint=FINGERPRINT)
+        sender = TESender(f"127.0.0.1:{emu.listen_port}", send_engine, timeout_ms=timeout_ms, max_retry=max_retry)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as info:
+            async with sender.open(m) as tx:
+                await _send_layers(tx, kv, [0])
+                if how == "closed":
+                    await emu.stop()  # nothing listens there any more
+                    await rx.close()
+                else:
+                    emu.arm(stall_ms=60_000)  # connections are accepted, but nothing gets through
+                t0 = time.monotonic()  # from the receiver's disappearance
+                await _send_layers(tx, kv, range(1, 4))
+                await tx.commit()
+        elapsed = time.monotonic() - t0
+    finally:
+        await emu.stop()
+        await rx.close()
+    assert info.value.reason is Reason.CONNECTION, info.value
+    # silent: one timeout to notice, then max_retry handshakes of one timeout each, plus backoffs
+    assert elapsed < (max_retry + 3) * timeout_ms / 1000 + 2.0
