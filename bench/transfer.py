@@ -1,6 +1,7 @@
 """KV transfer goodput, side by side with baselines in the same run.
 
-    .venv/bin/python bench/transfer.py [--mb 128] [--runs 3] [--connections 4] [--emu-mb 64] [--skip-emu]
+    .venv/bin/python bench/transfer.py [--mb 128] [--runs 3] [--connections 4] [--stripe-min-rtt-ms 5]
+                                          [--emu-mb 64] [--skip-emu]
 
 Sections (receiver, plain-socket server and link emulator run in a separate process, so sender
 and receiver do not share one interpreter lock):
