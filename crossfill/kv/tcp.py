@@ -69,6 +69,17 @@ FATAL_REASONS = frozenset({
 })
 
 
+def refused_frame_failure(retries: collections.Counter[int], seq: int, reason: Reason, text: str,
+                          max_retry: int) -> tuple[Reason, str] | None:
+    """Count a refusal of frame `seq`: the (reason, message) that fails the transfer, or None to resend."""
+    if reason in FATAL_REASONS:
+        return reason, f"frame {seq} refused: {text}"
+    retries[seq] += 1
+    if retries[seq] > max_retry:
+        return reason, f"frame {seq} refused {retries[seq]} times, last: {text}"
+    return None
+
+
 def parse_endpoint(endpoint: str | tuple[str, int]) -> tuple[str, int]:
     """'host:port' or (host, port) -> (host, port), with a readable error for anything else."""
     if isinstance(endpoint, tuple):
@@ -717,12 +728,9 @@ class _TcpTransfer(OutgoingTransfer):
         if reason is Reason.OK:
             self.acked.add(seq)
             return
-        if reason in FATAL_REASONS:
-            self._fail(reason, f"frame {seq} refused: {text}")
-            return
-        self.retries[seq] += 1
-        if self.retries[seq] > self.s.max_retry:
-            self._fail(reason, f"frame {seq} refused {self.retries[seq]} times, last: {text}")
+        failure = refused_frame_failure(self.retries, seq, reason, text, self.s.max_retry)
+        if failure is not None:
+            self._fail(*failure)
             return
         self.retransmits += 1
         self.queue.appendleft(seq)

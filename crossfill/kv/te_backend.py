@@ -64,7 +64,7 @@ from crossfill.kv.mooncake_te import (
     PendingWrite,
     RegisteredBuffer,
 )
-from crossfill.kv.tcp import FATAL_REASONS, KVReceiver, parse_endpoint
+from crossfill.kv.tcp import KVReceiver, parse_endpoint, refused_frame_failure
 from crossfill.kv.wire import (
     Frame,
     Manifest,
@@ -700,12 +700,9 @@ class _TETransfer(OutgoingTransfer):
             while self.ring and self.ring[0].state == "done":
                 self.ring.popleft()
             return
-        if reason in FATAL_REASONS:
-            self._fail(reason, f"frame {seq} refused: {text}")
-            return
-        self.retries[seq] += 1
-        if self.retries[seq] > self.s.max_retry:
-            self._fail(reason, f"frame {seq} refused {self.retries[seq]} times, last: {text}")
+        failure = refused_frame_failure(self.retries, seq, reason, text, self.s.max_retry)
+        if failure is not None:
+            self._fail(*failure)
             return
         # Write it again from staging (its ring space is still held) and reference it again.
         self.retransmits += 1
