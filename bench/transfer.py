@@ -8,7 +8,8 @@ and receiver do not share one interpreter lock):
 
 1. loopback: built-in transfer (codec none) vs a plain Python socket `sendall` of the same bytes
    to a `recv_into` loop: goodput and ratio (target >= 0.8x).
-2. TLS overhead: the same transfer with mutual TLS vs without.
+2. TLS overhead: the same transfer with mutual TLS vs without, and vs a plain blocking TLS socket
+   `sendall` of the same bytes with the same certificates (what the cipher itself costs).
 3. (numbered 6, run last) Mooncake Transfer Engine (TCP), when its wheel is available: one raw
    TE write of the same bytes, the TE backend, and the built-in TCP transfer against raw TE.
 4. through the link emulator at 1 Gbit/s and 20 ms one way: goodput as % of the emulated
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import socket
+import ssl
 import statistics
 import struct
 import tempfile
@@ -45,14 +47,22 @@ HEADS, DIM, TOKENS = 2, 64, 4096
 
 # ---------------------------------------------------------------------------------- receiver side
 
-def _plain_server(sock: socket.socket) -> None:
-    """Baseline: read a length-prefixed blob with recv_into, answer one byte."""
+def _plain_server(sock: socket.socket, tls: ssl.SSLContext | None = None) -> None:
+    """Baseline: read a length-prefixed blob with recv_into, answer one byte (optionally over TLS)."""
     buf = bytearray(1 << 20)
     view = memoryview(buf)
     while True:
         conn, _ = sock.accept()
+        if tls is not None:
+            try:
+                conn = tls.wrap_socket(conn, server_side=True)
+            except (ssl.SSLError, OSError):
+                conn.close()
+                continue
         with conn:
-            hdr = conn.recv(8, socket.MSG_WAITALL)
+            hdr = b""
+            while len(hdr) < 8 and (got := conn.recv(8 - len(hdr))):  # TLS sockets take no MSG_WAITALL
+                hdr += got
             if len(hdr) < 8:
                 continue
             left = struct.unpack("!Q", hdr)[0]
@@ -73,11 +83,14 @@ def _receiver_main(pipe, pki: dict[str, str], emu_bandwidth: str, emu_latency: s
         rx = await KVReceiver().start()
         tls = server_context(pki["server_cert"], pki["server_key"], pki["ca"])
         rx_tls = await KVReceiver(tls=tls).start()
+        plain_tls = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=_plain_server, args=(plain_tls, tls), daemon=True).start()
         emu_kv = LinkEmulator(upstream=("127.0.0.1", rx.port), bandwidth=emu_bandwidth, latency=emu_latency)
         emu_plain = LinkEmulator(upstream=plain.getsockname(), bandwidth=emu_bandwidth, latency=emu_latency)
         await emu_kv.start()
         await emu_plain.start()
         ports = {"kv": rx.port, "kv_tls": rx_tls.port, "plain": plain.getsockname()[1],
+                 "plain_tls": plain_tls.getsockname()[1],
                  "emu_kv": emu_kv.listen_port, "emu_plain": emu_plain.listen_port}
         receivers = {"kv": rx, "kv_tls": rx_tls}
         try:  # Mooncake Transfer Engine: a raw buffer for the baseline and a TE backend receiver
@@ -149,9 +162,13 @@ class Bench:
             self.proc.terminate()
         self.tmp.cleanup()
 
-    def plain(self, port: int, blob: memoryview) -> float:
+    def plain(self, port: int, blob: memoryview, tls: bool = False) -> float:
         t0 = time.perf_counter()
-        with socket.create_connection(("127.0.0.1", port)) as s:
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            s = raw
+            if tls:  # the blocking ssl module releases the interpreter lock while it encrypts
+                ctx = client_context(self.pki["ca"], self.pki["client_cert"], self.pki["client_key"])
+                s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
             s.sendall(struct.pack("!Q", len(blob)))
             s.sendall(blob)
             if s.recv(1) != b"k":
@@ -210,13 +227,15 @@ async def amain(args: argparse.Namespace) -> None:
         print(f"KV: {len(specs)} layers x {TOKENS} tokens x {HEADS} heads x {DIM} dim fp32 = {nbytes / 2**20:.0f} MiB, "
               f"{args.connections} connections, median of {args.runs} runs")
 
-        plain_t, kv_t, tls_t = [], [], []
+        plain_t, kv_t, tls_t, plain_tls_t = [], [], [], []
         for _ in range(args.runs):
             plain_t.append(b.plain(b.ports["plain"], blob))
             kv_t.append((await b.kv("kv", b.ports["kv"], specs, kv))[0])
             streams = b.streams
             tls_t.append((await b.kv("kv_tls", b.ports["kv_tls"], specs, kv, tls=True))[0])
-        gp = {name: nbytes / med(t) / 1e6 for name, t in (("plain", plain_t), ("kv", kv_t), ("tls", tls_t))}
+            plain_tls_t.append(b.plain(b.ports["plain_tls"], blob, tls=True))
+        gp = {name: nbytes / med(t) / 1e6 for name, t in (("plain", plain_t), ("kv", kv_t), ("tls", tls_t),
+                                                             ("plain_tls", plain_tls_t))}
         print("\n1. loopback goodput")
         print(f"   plain socket sendall : {gp['plain']:8.0f} MB/s")
         print(f"   crossfill TCP        : {gp['kv']:8.0f} MB/s   = {gp['kv'] / gp['plain']:.2f}x plain (target >= 0.8x); "
@@ -224,6 +243,8 @@ async def amain(args: argparse.Namespace) -> None:
         print("\n2. TLS overhead")
         print(f"   crossfill TCP + mTLS : {gp['tls']:8.0f} MB/s   = {gp['tls'] / gp['kv']:.2f}x without TLS "
               f"({(1 - gp['tls'] / gp['kv']) * 100:.0f}% overhead)")
+        print(f"   plain TLS socket     : {gp['plain_tls']:8.0f} MB/s   (blocking ssl sendall, same certificates); "
+              f"crossfill + mTLS = {gp['tls'] / gp['plain_tls']:.2f}x of it")
         # Mooncake TE last: a crash inside its C++ engine must not take the other sections with it.
         async def te_section() -> None:
             print("\n6. Mooncake Transfer Engine (TCP), same bytes")
