@@ -34,6 +34,7 @@ class Reason(IntEnum):
     CONNECTION = 18  # could not connect / connection lost beyond the retry budget
     TENANT_MISMATCH = 19  # the manifest's tenant is not the one the receiver expects
     DUPLICATE = 20  # manifest for a cache_id that is already being received under another manifest
+    NO_RESOURCES = 21  # the receiver could not get the memory the transfer needs (e.g. a TE region)
 
     @property
     def label(self) -> str:

@@ -65,7 +65,7 @@ _STREAM_LIMIT = 4 << 20
 FATAL_REASONS = frozenset({
     Reason.EXPIRED, Reason.ABORTED, Reason.SINK_ERROR, Reason.TIMEOUT, Reason.FINGERPRINT_MISMATCH,
     Reason.TOKEN_DIGEST_MISMATCH, Reason.TENANT_MISMATCH, Reason.MANIFEST_MISMATCH, Reason.DUPLICATE,
-    Reason.COMMIT_DIGEST, Reason.UNKNOWN_VERSION,
+    Reason.COMMIT_DIGEST, Reason.UNKNOWN_VERSION, Reason.NO_RESOURCES,
 })
 
 
@@ -287,10 +287,19 @@ class KVReceiver(ReceiveBackend):
             a.accept_manifest(m)
         except WireError as exc:
             return None, answer(MsgType.MANIFEST_ACK, exc.reason, text=exc.message)
-        return a, answer(MsgType.MANIFEST_ACK, Reason.OK, text=self._accepted_text(a))
+        try:
+            text = self._accepted_text(a)
+        except WireError as exc:  # accepted, but this receiver cannot serve it: decode learns at once
+            self._counters.refuse(exc.reason)
+            a.fail(exc.reason, exc.message)
+            return None, answer(MsgType.MANIFEST_ACK, exc.reason, text=exc.message)
+        return a, answer(MsgType.MANIFEST_ACK, Reason.OK, text=text)
 
     def _accepted_text(self, a: Assembly) -> str:
-        """Text of a manifest's OK answer: what the sender needs besides "go" (nothing, over TCP)."""
+        """Text of a manifest's OK answer: what the sender needs besides "go" (nothing, over TCP).
+
+        Raises WireError when the receiver cannot serve the accepted transfer after all.
+        """
         return ""
 
     async def _on_frame_ref(self, bound: Assembly | None, body: bytes) -> bytes:

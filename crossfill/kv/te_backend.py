@@ -129,7 +129,11 @@ class TEReceiver(KVReceiver):
                 return json.dumps({"complete": True})
             assert a.manifest is not None
             size = max(max_frame_body(a.manifest), min(self.region_bytes, _total_bound(a.manifest)))
-            region = self._regions[a.cache_id] = self.engine.allocate(size)
+            try:
+                region = self._regions[a.cache_id] = self.engine.allocate(size)
+            except (MooncakeTEError, MemoryError) as exc:
+                raise WireError(Reason.NO_RESOURCES, f"cannot register a {size}-byte TE staging region "
+                                f"for this transfer: {exc}") from exc
         return self.engine.describe(region).to_json()
 
     async def _on_frame_ref(self, bound: Assembly | None, body: bytes) -> bytes:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from crossfill.engine.types import LayerKVChunk
@@ -351,3 +354,32 @@ async def test_receiver_gone_for_good_fails_with_connection_in_bounded_time(engi
     assert info.value.reason is Reason.CONNECTION, info.value
     # silent: one timeout to notice, then max_retry handshakes of one timeout each, plus backoffs
     assert elapsed < (max_retry + 3) * timeout_ms / 1000 + 2.0
+
+
+async def test_receiver_without_memory_for_a_region_refuses_clearly(engines, monkeypatch) -> None:
+    """A TE receiver that cannot register the transfer's staging region answers `no_resources`:
+    the sender fails at once with that reason (no reconnect loop) and decode's wait() learns it."""
+    from crossfill.kv.mooncake_te import MooncakeTEError
+    from crossfill.kv.te_backend import TEReceiver, TESender
+
+    send_engine, recv_engine = engines
+    specs = hybrid_specs(n=2, heads=2, dim=32)
+    kv = make_kv(specs, TOKENS)
+    m = build_manifest(specs, TOKENS, cache_id="no-memory")
+
+    def refuse(nbytes: int):
+        raise MooncakeTEError(f"cannot register {nbytes} bytes")
+
+    monkeypatch.setattr(recv_engine, "allocate", refuse)
+    async with TEReceiver(recv_engine) as rx:
+        rx.expect(m.cache_id, Collector(), fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)))
+        waiting = asyncio.create_task(rx.wait(m.cache_id))
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="no_resources") as info:
+            await _send(TESender(rx.endpoint, send_engine, timeout_ms=5000), m, kv)
+        assert info.value.reason is Reason.NO_RESOURCES
+        assert time.monotonic() - t0 < 2
+        with pytest.raises(TransferError) as waited:
+            await waiting
+        assert waited.value.reason is Reason.NO_RESOURCES
+        assert rx.counters()["refused_no_resources"] == 1
