@@ -38,7 +38,7 @@ from crossfill.kv.errors import TransferError
 from crossfill.kv.tcp import KVReceiver
 from crossfill.kv.wire import token_digest
 from crossfill.serving.errors import APIError, parse_body
-from crossfill.serving.kvlink import make_receiver
+from crossfill.serving.kvlink import import_namespace, make_receiver
 from crossfill.serving.protocol import DecodeJob, PrefillJob, RouteInfo, ndjson
 from crossfill.serving.worker_common import WorkerBase, release_when_request_ends
 
@@ -236,7 +236,8 @@ class DecodeWorker(WorkerBase):
         timeout_s = kv.timeout_ms / 1000
         cache_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
         try:
-            handle = await self.engine.import_kv(cache_id, job.prompt_token_ids, params, namespace=job.tenant_id or "")
+            handle = await self.engine.import_kv(cache_id, job.prompt_token_ids, params,
+                                                 namespace=import_namespace(self.cfg, job.tenant_id or ""))
         except NoKVCapacityError as exc:
             raise APIError(503, f"decode instance {self.inst.name} has no free KV blocks: {exc}",
                            code="decode_kv_full", retry_after=self.cfg.serving.retry_after_s) from None

@@ -31,6 +31,19 @@ def make_receiver(cfg: CrossfillConfig, host: str, port: int) -> KVReceiver:
     return KVReceiver(host, port, timeout_ms=cfg.inference_service.kv_cache.timeout_ms)
 
 
+def import_namespace(cfg: CrossfillConfig, tenant: str) -> str:
+    """Prefix-cache namespace of KV imported by decode.
+
+    Imported blocks join the decode engine's prefix cache, where later colocated requests of the
+    tenant may reuse them. KV that crossed the wire through a lossy codec (fp8, int8, bf16...) is
+    not what the engine would compute itself, so it gets a namespace of its own: a colocated
+    request never reuses approximated KV in place of exact KV.
+    """
+    kv = cfg.inference_service.kv_cache
+    codec, _ = resolve_compression(kv.compression_enabled, kv.compression_mode, kv.codec)
+    return tenant if codec.lossless else f"{tenant}#kv-codec={codec}"
+
+
 def build_manifest(cfg: CrossfillConfig, *, cache_id: str, request_id: str, tenant: str, fingerprint: str,
                    token_ids: Sequence[int], layer_specs: Sequence[LayerSpec]) -> Manifest:
     """The manifest prefill announces: codec and window pruning from kv_cache.compression_*."""

@@ -115,3 +115,17 @@ def test_config_check_cli(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "inference_service.kv_cache.timeout_ms: expected an integer, got 'soon'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("codec,lossy", [("lz4", False), ("none", False), ("int8", True), ("fp8+zstd", True)])
+def test_lossy_kv_imports_get_their_own_prefix_cache_namespace(codec: str, lossy: bool) -> None:
+    """Decode publishes imported KV to its prefix cache; approximated KV must not serve as exact KV."""
+    from crossfill.serving.kvlink import import_namespace
+
+    doc = seed_doc()
+    doc["inference_service"]["kv_cache"]["codec"] = codec
+    cfg = parse_config(doc)
+    ns = import_namespace(cfg, "tenant-a")
+    assert (ns != "tenant-a") is lossy
+    if lossy:
+        assert ns.startswith("tenant-a") and codec in ns
