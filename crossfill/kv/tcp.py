@@ -8,14 +8,17 @@ transfer starts with one stream and opens the others once a manifest round trip 
 is at least `stripe_min_rtt_ms` (default 5 ms: below it, Linux's default window autotuning of up to
 6 MiB already fills 10 Gbit/s with one stream).  The round trip is the minimum of the sender's
 last 16 manifest round trips, so a busy event loop on either side (which only adds delay) does
-not pass for a long link, and later transfers to a far endpoint open every stream at once.  The receiver answers every frame on the
-stream it came on, in order, so the sender matches answers to frames by position (a corrupted
-header cannot misdirect an answer).  Refused frames are queued again up to `max_retry` times;
-when a stream breaks or stalls for `timeout_ms` its unanswered frames are queued again and the
-stream reconnects (resending the manifest first), also bounded by `max_retry`.  Bytes written but
-not answered are bounded by `max_inflight_bytes`.  `send()` encodes (copies) the chunk before it
-returns, so prefill may reuse that memory at once; the encoded frames stay pinned until the
-receiver acknowledges the commit, so any frame can be sent again until then.
+not pass for a long link, and later transfers to a far endpoint open every stream at once.
+
+The receiver answers every frame on the stream it came on, in order, so the sender matches answers
+to frames by position (a corrupted header cannot misdirect an answer).  Refused frames are queued
+again up to `max_retry` times; when a stream breaks or stalls for `timeout_ms` its unanswered
+frames are queued again and the stream reconnects (resending the manifest first), also bounded by
+`max_retry`.  Bytes written but not answered are bounded by `max_inflight_bytes`.  Encoded frames
+stay pinned until the receiver acknowledges the commit, so any frame can be sent again until then;
+with a codec that does not transform the bytes (`none`) a frame is a view of the chunk's tensors,
+not a copy, so the caller hands over tensors it no longer writes (the engine's exports are fresh
+copies).
 
 Receiver: one server for all transfers; each stream starts with the manifest, which binds it to an
 expected cache id.  Streams are read sequentially, so a slow sink throttles its stream through
