@@ -4,9 +4,10 @@ Every backend (built-in TCP, store-and-pull, Mooncake Transfer Engine) implement
 halves so workers never care which one carries a transfer:
 
 * sending:   `async with backend.open(manifest) as tx: await tx.send(chunk) ...; stats = await tx.commit()`
-  `send` is called as each layer's KV appears, so transfer overlaps prefill; it copies (encodes) the
-  chunk before returning, so prefill may reuse that memory at once, and the backend keeps (pins)
-  the encoded frames until the receiver acknowledges the commit, so any of them can be resent.
+  `send` is called as each layer's KV appears, so transfer overlaps prefill. The backend keeps
+  (pins) the encoded frames until the receiver acknowledges the commit, so any of them can be
+  resent; with codec `none` a frame views the chunk's tensors rather than copying them, so the
+  caller hands over tensors it no longer writes (the engine's exports are fresh copies).
 * receiving: `receiver.expect(Expectation(...))` before the KV can arrive (decode has reserved its
   blocks), then `await receiver.wait(cache_id)`, which returns the verified manifest once the
   commit is acknowledged or raises TransferError with a Reason; on error the consumer discards.
@@ -17,6 +18,8 @@ Leaving the `open()` block without `commit()` aborts the transfer on both sides.
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 
@@ -54,6 +57,8 @@ class TransferStats:
 class OutgoingTransfer(abc.ABC):
     """One transfer in progress on the sending side."""
 
+    committed: bool = False  # set by commit() once the receiver acknowledged it
+
     @abc.abstractmethod
     async def send(self, chunk: LayerKVChunk) -> None:
         """Queue one layer's KV for [chunk.start, chunk.end); returns once it is encoded and queued.
@@ -69,6 +74,20 @@ class OutgoingTransfer(abc.ABC):
     @abc.abstractmethod
     async def abort(self, reason: str) -> None:
         """Give up: tell the receiver (best effort) and release the pinned KV."""
+
+
+@contextlib.asynccontextmanager
+async def aborted_unless_committed(tx: OutgoingTransfer) -> AsyncIterator[OutgoingTransfer]:
+    """The body of every backend's `open()`: yields `tx`, aborts it (both sides) if the caller
+    raises or leaves the block without `commit()`."""
+    try:
+        yield tx
+    except BaseException as exc:
+        await tx.abort(f"sender raised {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if not tx.committed:
+            await tx.abort("transfer left without commit()")
 
 
 class TransferBackend(abc.ABC):

@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Assembly, Counters, Expectation, Sink
-from crossfill.kv.backend import OutgoingTransfer, ReceiveBackend, TransferBackend, TransferStats
+from crossfill.kv.backend import (
+    OutgoingTransfer,
+    ReceiveBackend,
+    TransferBackend,
+    TransferStats,
+    aborted_unless_committed,
+)
 from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
 from crossfill.kv.errors import Reason, TransferError, WireError
 from crossfill.kv.store.base import DEFAULT_TENANT, KVStore, StoreError, Watch, WatchableKVStore
@@ -80,14 +86,8 @@ class StorePushSender(TransferBackend):
     async def open(self, manifest: Manifest) -> AsyncIterator[OutgoingTransfer]:
         tx = _StoreTransfer(self, manifest)
         await tx.put(object_keys(manifest.cache_id)[0], manifest_body(manifest))
-        try:
+        async with aborted_unless_committed(tx):
             yield tx
-        except BaseException as exc:
-            await tx.abort(f"sender raised {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if not tx.committed:
-                await tx.abort("transfer left without commit()")
 
 
 class _StoreTransfer(OutgoingTransfer):

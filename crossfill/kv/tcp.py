@@ -38,7 +38,13 @@ from dataclasses import dataclass, field
 
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Assembly, Counters, Expectation, Sink
-from crossfill.kv.backend import OutgoingTransfer, ReceiveBackend, TransferBackend, TransferStats
+from crossfill.kv.backend import (
+    OutgoingTransfer,
+    ReceiveBackend,
+    TransferBackend,
+    TransferStats,
+    aborted_unless_committed,
+)
 from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
 from crossfill.kv.errors import Reason, TransferError, WireError
 from crossfill.kv.streamio import MessageStream
@@ -400,14 +406,8 @@ class KVSender(TransferBackend):
     async def open(self, manifest: Manifest) -> AsyncIterator[OutgoingTransfer]:
         tx = _TcpTransfer(self, manifest)
         tx.start()
-        try:
+        async with aborted_unless_committed(tx):
             yield tx
-        except BaseException as exc:
-            await tx.abort(f"sender raised {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if not tx.committed:
-                await tx.abort("transfer left without commit()")
 
 
 @dataclass

@@ -54,7 +54,7 @@ import numpy as np
 
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Assembly
-from crossfill.kv.backend import OutgoingTransfer, TransferBackend, TransferStats
+from crossfill.kv.backend import OutgoingTransfer, TransferBackend, TransferStats, aborted_unless_committed
 from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
 from crossfill.kv.errors import Reason, TransferError, WireError
 from crossfill.kv.mooncake_te import (
@@ -203,15 +203,9 @@ class TESender(TransferBackend):
     @contextlib.asynccontextmanager
     async def open(self, manifest: Manifest) -> AsyncIterator[OutgoingTransfer]:
         tx = _TETransfer(self, manifest)
-        try:
+        async with aborted_unless_committed(tx):
             await tx.start()
             yield tx
-        except BaseException as exc:
-            await tx.abort(f"sender raised {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if not tx.committed:
-                await tx.abort("transfer left without commit()")
 
 
 @dataclass(eq=False)
