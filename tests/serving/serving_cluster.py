@@ -7,6 +7,8 @@ tests can also kill and restart single instances. Ports are picked free at start
 from __future__ import annotations
 
 import contextlib
+import os
+import random
 import socket
 import subprocess
 import sys
@@ -23,14 +25,28 @@ from crossfill.config import CrossfillConfig, load_config
 from crossfill.serving.up import Child, start_children, stop_children, wait_ready
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; the usual default)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports (checked by binding each)."""
+    """A base port with n consecutive free ports (checked by binding each).
+
+    The block lies below the ephemeral range: there, any outgoing connection made while the
+    cluster starts (its processes connect to each other) could take a port of the block before
+    the process meant to listen on it binds, and that process would exit with "address in use".
+    Mooncake TE's own listening ports (12001 and 15000-17000 in our runs) stay below 20000.
+    """
+    lo, _ = _ephemeral_ports()
+    first, last = 20000, max(20000 + n, lo - n)
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65000:
-            continue
+        base = rng.randrange(first, last)
         ok = True
         for p in range(base, base + n):
             with socket.socket() as s:
@@ -41,7 +57,7 @@ def free_port_block(n: int) -> int:
                     break
         if ok:
             return base
-    raise RuntimeError("no free port block")
+    raise RuntimeError(f"no block of {n} free ports in {first}..{last + n}")
 
 
 def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
