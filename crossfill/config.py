@@ -54,6 +54,32 @@ class DecodePoolConfig(_Strict):
     max_concurrent_requests: int = Field(128, ge=1)
 
 
+KVTransport = Literal["tcp", "mooncake_te", "store"]
+KVStoreKind = Literal["embedded", "mooncake"]
+
+
+class KVTLSConfig(_Strict):
+    """Mutual TLS on the KV data plane: every sender and receiver presents a certificate signed by `ca_file`."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    @model_validator(mode="after")
+    def _readable(self) -> KVTLSConfig:
+        # Checked when the file is loaded, so a worker never reports ready with a data plane it cannot open.
+        for key in ("cert_file", "key_file", "ca_file"):
+            path = Path(getattr(self, key)).expanduser()
+            try:
+                with path.open("rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise ValueError(f"inference_service.kv_cache.tls.{key}: cannot read {str(path)!r} "
+                                 f"({exc.strerror or exc}); give the path of a PEM file "
+                                 "(`crossfill pki dev DIR` writes a development set)") from None
+        return self
+
+
 class KVCacheConfig(_Strict):
     compression_enabled: bool = True
     compression_mode: CompressionMode = "hybrid_attention"
@@ -62,6 +88,16 @@ class KVCacheConfig(_Strict):
     max_retry: int = Field(2, ge=0)
     # Not in the seed block: the codec stages (crossfill.kv.codecs), e.g. "lz4", "fp8+zstd", "none".
     codec: str = "lz4"
+    # Not in the seed block: how KV crosses (the connector, crossfill.serving.connector).
+    transport: KVTransport = "tcp"
+    # transport "store": where KV lands for decode to pull; embedded = a store in each decode instance.
+    store: KVStoreKind = "embedded"
+    store_memory_mb: int = Field(1024, ge=1)  # embedded: memory tier; mooncake: segment each client gives
+    store_disk_dir: str | None = None  # embedded: optional disk tier (survives a decode restart)
+    store_disk_mb: int = Field(4096, ge=1)
+    mooncake_master: str | None = None  # "host:port" of mooncake_master (store: mooncake)
+    start_mooncake_master: bool = False  # `crossfill up` runs mooncake_master at `mooncake_master`
+    tls: KVTLSConfig | None = None  # mutual TLS on the data plane (tcp and the store's push path)
 
     @field_validator("codec")
     @classmethod
@@ -218,6 +254,23 @@ class CrossfillConfig(_Strict):
                     f"topology.datacenters.{name}: no entry in topology.links joins it to "
                     f"{topo.local_datacenter!r}"
                 )
+        kv = svc.kv_cache
+        if kv.transport == "store" and kv.store == "mooncake":
+            if kv.mooncake_master is None:
+                raise ValueError("inference_service.kv_cache.mooncake_master: required with store: mooncake "
+                                 "(the \"host:port\" of mooncake_master; set start_mooncake_master: true to "
+                                 "have `crossfill up` start it)")
+            host, _, port = kv.mooncake_master.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"inference_service.kv_cache.mooncake_master: expected \"host:port\", "
+                                 f"got {kv.mooncake_master!r}")
+        if kv.tls is not None and (kv.transport == "mooncake_te" or (kv.transport == "store" and kv.store == "mooncake")):
+            what = "Mooncake Transfer Engine" if kv.transport == "mooncake_te" else "Mooncake Store"
+            raise ValueError(f"inference_service.kv_cache.tls: {what} moves KV bytes over its own unencrypted "
+                             "TCP transport, so crossfill cannot put them under TLS; use transport tcp, or "
+                             "store with store: embedded, for mutual TLS")
+        if kv.start_mooncake_master and kv.mooncake_master is None:
+            raise ValueError("inference_service.kv_cache.start_mooncake_master: needs mooncake_master (host:port)")
         if not self.decode_instances():
             raise ValueError("topology: no decode instance (topology.datacenters.<local>.decode)")
         if svc.mode == "prefill_decode_disaggregated" and not self.prefill_instances():

@@ -27,8 +27,24 @@ def config_check(path: str = typer.Argument(..., help="YAML configuration file")
                    f"{c.target_host}:{c.target_port} (control :{c.control_port})")
 
 
+pki_app = typer.Typer(help="Certificates for mutual TLS on the KV data plane (kv_cache.tls).", no_args_is_help=True)
+
+
+@pki_app.command("dev")
+def pki_dev(directory: str = typer.Argument(..., help="folder to write ca.pem, server.pem/.key, client.pem/.key"),
+            ip: str = typer.Option("127.0.0.1", help="IP address the server certificate is valid for")) -> None:
+    """Write a throw-away CA and certificates for a single-machine demo (never for production)."""
+    from crossfill.kv.tls import write_dev_pki
+
+    paths = write_dev_pki(directory, ip)
+    typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
+    cert, key, ca = paths["server_cert"], paths["server_key"], paths["ca"]
+    typer.echo(f"kv_cache.tls: {{cert_file: {cert}, key_file: {key}, ca_file: {ca}}}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(config_app, name="config")
+    app.add_typer(pki_app, name="pki")
 
     @app.command()
     def serve(

@@ -27,8 +27,11 @@ from typing import Any, TypeVar
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import TypeAdapter
 
 from crossfill.config import CrossfillConfig
+from crossfill.engine.sampling import SamplingParams
+from crossfill.policy.routing import Route
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
@@ -38,9 +41,18 @@ from crossfill.serving.openai_schema import (
     GenerateRequest,
     SamplingFields,
 )
-from crossfill.serving.protocol import DecodeJob, RouteInfo, RouteMsg, SamplingMsg
+from crossfill.serving.protocol import (
+    DecodeJob,
+    Delta,
+    Done,
+    ErrorEvent,
+    Routed,
+    RouteInfo,
+    parse_decode_event,
+)
 
 log = logging.getLogger("crossfill.gateway")
+_ROUTE: TypeAdapter[Route] = TypeAdapter(Route)
 T = TypeVar("T")
 
 
@@ -79,7 +91,7 @@ class _Job:
     request_id: str
     model: str
     prompt_token_ids: list[int]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     fields: SamplingFields
     arrived: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -139,11 +151,14 @@ class Gateway:
         if len(tokens) + max_tokens > limit:
             raise APIError(400, f"max_tokens {max_tokens} + prompt {len(tokens)} tokens exceeds the context of "
                            f"{limit} tokens", param="max_tokens", code="context_length_exceeded")
-        sampling = SamplingMsg(max_tokens=max_tokens, **fields.sampling_kwargs())
+        try:
+            sampling = SamplingParams(max_tokens=max_tokens, **fields.sampling_kwargs())
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_sampling") from None
         return _Job(kind, request_id, model, tokens, sampling, fields)
 
     # -- the cluster round trip ---------------------------------------------------------------------
-    async def submit(self, job: _Job) -> tuple[RouteInfo, AsyncIterator[dict[str, Any]], dict[str, Any]]:
+    async def submit(self, job: _Job) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
         """Route and start `job`; returns (initial route info, remaining events, the first event)."""
         assert self.http is not None
         # No refusal on our own /readyz (it mirrors the scheduler's with a lag): the scheduler
@@ -159,7 +174,7 @@ class Gateway:
                            retry_after=self.cfg.serving.retry_after_s) from None
         if r.status_code != 200:
             raise APIError.from_body(r.status_code, _json(r), r.headers.get("retry-after"))
-        route = RouteMsg.model_validate(r.json())
+        route = _ROUTE.validate_python(r.json())
         dec = self.cfg.instance(route.decode)
         djob = DecodeJob(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids, sampling=job.sampling,
                          route=route, tenant_id=f.tenant_id, trace_id=trace_id,
@@ -169,7 +184,8 @@ class Gateway:
         try:
             try:
                 resp = await stack.enter_async_context(
-                    self.http.stream("POST", dec.url + "/v1/decode", json=djob.model_dump()))
+                    self.http.stream("POST", dec.url + "/v1/decode", content=djob.model_dump_json(),
+                                     headers={"content-type": "application/json"}))
             except httpx.HTTPError as exc:
                 raise APIError(503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
                                code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s) from None
@@ -180,7 +196,7 @@ class Gateway:
             try:
                 while not (line := await anext(lines)):
                     pass
-                first = json.loads(line)
+                first = parse_decode_event(line)
             except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
                 raise APIError(502, f"decode instance {dec.name} ended the stream early: {exc!r}",
                                code="decode_failed") from None
@@ -189,26 +205,30 @@ class Gateway:
             await stack.aclose()
             raise
 
-        async def events() -> AsyncIterator[dict[str, Any]]:
+        async def events() -> AsyncIterator[Routed | Delta | Done | ErrorEvent]:
             try:
                 async for line in lines:
                     if line:
-                        yield json.loads(line)
+                        yield parse_decode_event(line)
             finally:
                 await stack.aclose()
 
         it = events()
-        info = RouteInfo.from_dict(first.get("crossfill") or {"request_id": job.request_id})
+        crossfill = first.crossfill if isinstance(first, Routed | ErrorEvent) else None
+        info = crossfill or RouteInfo(request_id=job.request_id)
         info.timings_ms["queue"] = info.timings_ms.get("queue", 0.0) + routed_ms
-        if first.get("event") == "error":
+        if isinstance(first, ErrorEvent):
             await it.aclose()
-            raise APIError(int(first.get("status", 502)), str(first.get("message")), code=first.get("code"),
-                           param=first.get("param"), retry_after=first.get("retry_after"),
-                           extra={"crossfill": info.as_dict()})
-        return info, it, first
+            raise APIError(first.status, first.message, code=first.code, param=first.param,
+                           retry_after=first.retry_after, extra={"crossfill": info.as_dict()})
+        if not isinstance(first, Routed):
+            await it.aclose()
+            raise APIError(502, f"decode instance {dec.name} started with a {first.event!r} event, not 'routed'",
+                           code="decode_failed")
+        return info, it
 
-    def finish_info(self, job: _Job, info: RouteInfo, final: dict[str, Any], t_first: float | None) -> RouteInfo:
-        done = RouteInfo.from_dict(final.get("crossfill") or info.as_dict())
+    def finish_info(self, job: _Job, info: RouteInfo, final: Done, t_first: float | None) -> RouteInfo:
+        done = (final.crossfill or info).model_copy(deep=True)
         done.timings_ms["queue"] = info.timings_ms.get("queue", 0.0)
         now = time.perf_counter()
         if t_first is not None:
@@ -219,7 +239,7 @@ class Gateway:
         self.metrics.requests.labels(done.route, "ok").inc()
         if done.degradation_reason:
             self.metrics.fallbacks.labels("degraded").inc()
-        self.log_request(done, final.get("finish_reason"))
+        self.log_request(done, final.finish_reason)
         return done
 
     def log_request(self, info: RouteInfo, finish: str | None, error: str | None = None) -> None:
@@ -336,7 +356,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
 
     async def respond(job: _Job, request: Request) -> JSONResponse | StreamingResponse:
         try:
-            info, events, first = await until_disconnect(request, gw.submit(job))
+            info, events = await until_disconnect(request, gw.submit(job))
         except APIError as exc:
             gw.metrics.errors.labels(exc.code or "error").inc()
             ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id})
@@ -347,33 +367,33 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             return StreamingResponse(stream(job, info, events), media_type="text/event-stream", headers=headers)
         return await until_disconnect(request, collect(job, info, events, headers))
 
-    async def collect(job: _Job, info: RouteInfo, events: AsyncIterator[dict[str, Any]],
+    async def collect(job: _Job, info: RouteInfo, events: AsyncIterator[Routed | Delta | Done | ErrorEvent],
                       headers: dict[str, str]) -> JSONResponse:
         text: list[str] = []
         token_ids: list[int] = []
         t_first: float | None = None
         try:
             async for ev in events:
-                kind = ev.get("event")
-                if kind == "delta":
+                if isinstance(ev, Delta):
                     if t_first is None:
                         t_first = time.perf_counter()
-                    text.append(ev.get("text", ""))
-                    token_ids.extend(ev.get("token_ids", []))
-                elif kind == "done":
+                    text.append(ev.text)
+                    token_ids.extend(ev.token_ids)
+                elif isinstance(ev, Done):
                     done = gw.finish_info(job, info, ev, t_first)
                     body = _final_body(job, "".join(text), token_ids, ev, done)
                     return JSONResponse(body, headers={**headers, "x-crossfill-route": done.header()})
-                elif kind == "error":
-                    raise APIError(int(ev.get("status", 502)), str(ev.get("message")), code=ev.get("code"),
-                                   extra={"crossfill": ev.get("crossfill")})
+                elif isinstance(ev, ErrorEvent):
+                    raise APIError(ev.status, ev.message, code=ev.code,
+                                   extra={"crossfill": ev.crossfill.as_dict() if ev.crossfill else None})
         except (httpx.HTTPError, ValueError) as exc:
             raise APIError(502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed") from None
         finally:
             await events.aclose()  # type: ignore[attr-defined]
         raise APIError(502, "decode stream ended without a result", code="decode_failed")
 
-    async def stream(job: _Job, info: RouteInfo, events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async def stream(job: _Job, info: RouteInfo,
+                     events: AsyncIterator[Routed | Delta | Done | ErrorEvent]) -> AsyncIterator[bytes]:
         base = {"id": job.request_id, "object": _object(job.kind, True), "created": job.created, "model": job.model}
         t_first: float | None = None
         include_usage = bool(job.fields.stream_options and job.fields.stream_options.include_usage)
@@ -383,26 +403,25 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                         "finish_reason": None}
                 yield _sse({**base, "choices": [role]})
             async for ev in events:
-                kind = ev.get("event")
-                if kind == "delta":
+                if isinstance(ev, Delta):
                     if t_first is None:
                         t_first = time.perf_counter()
-                    chunk = {**base, "choices": [_choice_delta(job.kind, ev.get("text", ""), None)]}
+                    chunk = {**base, "choices": [_choice_delta(job.kind, ev.text, None)]}
                     if job.kind == "generate":
-                        chunk["token_ids"] = ev.get("token_ids", [])
+                        chunk["token_ids"] = ev.token_ids
                     yield _sse(chunk)
-                elif kind == "done":
+                elif isinstance(ev, Done):
                     done = gw.finish_info(job, info, ev, t_first)
-                    final = {**base, "choices": [_choice_delta(job.kind, "", ev.get("finish_reason"))],
+                    final = {**base, "choices": [_choice_delta(job.kind, "", ev.finish_reason)],
                              "crossfill": done.as_dict()}
                     if include_usage or job.kind == "generate":
                         final["usage"] = _usage(ev)
                     yield _sse(final)
                     yield b"data: [DONE]\n\n"
                     return
-                elif kind == "error":
-                    yield _sse(APIError(int(ev.get("status", 502)), str(ev.get("message")), code=ev.get("code"),
-                                        extra={"crossfill": ev.get("crossfill")}).body())
+                elif isinstance(ev, ErrorEvent):
+                    yield _sse(APIError(ev.status, ev.message, code=ev.code,
+                                        extra={"crossfill": ev.crossfill.as_dict() if ev.crossfill else None}).body())
                     yield b"data: [DONE]\n\n"
                     return
             raise ValueError("decode stream ended without a result")
@@ -441,14 +460,13 @@ async def until_disconnect(request: Request, coro: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _usage(ev: dict[str, Any]) -> dict[str, int]:
-    u = ev.get("usage", {})
-    p, c = int(u.get("prompt_tokens", 0)), int(u.get("completion_tokens", 0))
+def _usage(ev: Done) -> dict[str, int]:
+    p, c = ev.usage.prompt_tokens, ev.usage.completion_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _final_body(job: _Job, text: str, token_ids: list[int], ev: dict[str, Any], info: RouteInfo) -> dict[str, Any]:
-    finish = ev.get("finish_reason")
+def _final_body(job: _Job, text: str, token_ids: list[int], ev: Done, info: RouteInfo) -> dict[str, Any]:
+    finish = ev.finish_reason
     base: dict[str, Any] = {"id": job.request_id, "object": _object(job.kind, False), "created": job.created,
                             "model": job.model, "usage": _usage(ev), "crossfill": info.as_dict()}
     if job.kind == "chat":

@@ -42,6 +42,16 @@ class ServingMetrics:
         self.kv_wire = Counter("crossfill_kv_wire_bytes", "KV bytes on the wire", registry=r)
         self.queue = Gauge("crossfill_queue_depth", "Requests queued or running in this instance", registry=r)
         self.tokens = Counter("crossfill_output_tokens", "Generated tokens", registry=r)
+        self.kv_reused_tokens = Counter("crossfill_kv_reused_tokens", "Prompt tokens whose KV decode already held, "
+                                        "so they did not cross the wire", registry=r)
+        self.kv_saved = Counter("crossfill_kv_wire_bytes_saved", "Estimated wire bytes the decode-held prefix "
+                                "did not need", registry=r)
+        self.reuse_refused = Counter("crossfill_kv_reuse_refused", "Decode-held-prefix claims prefill did not use "
+                                     "(everything was sent), by reason", ["reason"], registry=r)
+        self.cleanup_failures = Counter("crossfill_cleanup_failures", "Aborts or frees that raised (logged)",
+                                        ["what"], registry=r)
+        self.preemptions = Gauge("crossfill_preemptions", "Requests preempted by the engine for KV memory "
+                                 "(cumulative, from the engine)", registry=r)
 
 
 def add_metrics_route(app: FastAPI, metrics: ServingMetrics, enabled: bool) -> None:

@@ -1,10 +1,16 @@
 """The prefill worker: runs prefill-only requests and ships each layer's KV to a decode instance.
 
-`POST /v1/prefill` answers with an NDJSON stream: `accepted`, `alive` heartbeats while the request
-waits or computes (so decode can tell a busy prefill from a dead one), `first_token` (with the
-queue/prefill timings) as soon as prefill ends, then `done` once the transfer's commit is
-acknowledged (KV bytes, transfer stats), or `error` at any point. The KV itself goes on the data plane (crossfill.kv) to the
-address decode gave, layer by layer as the engine computes it, so the transfer overlaps prefill.
+`POST /v1/prefill` answers with an NDJSON stream of typed events (serving.protocol): `accepted`,
+`alive` heartbeats while the request waits or computes (so decode can tell a busy prefill from a
+dead one), `first_token` (with the queue/prefill timings) as soon as prefill ends, then `done` once
+the transfer's commit is acknowledged (KV bytes, transfer stats), or `error` at any point. The KV
+itself goes through the KV connector (`connector.PrefillConnector`, whatever `kv_cache.transport`
+is) to the address decode gave, layer by layer as the engine computes it, so the transfer
+overlaps prefill.
+
+Reuse (M8.2): the job says how many leading prompt tokens decode already holds; when the claim
+checks out, only the rest is exported and sent. Prefill computes only what its own prefix cache
+lacks, and hands out cached KV from there.
 
 Backpressure (M5.5): at most `prefill_pool.max_queue_depth` requests are queued or running; the
 next one is refused with 429 and Retry-After at once instead of waiting in an unbounded queue.
@@ -15,7 +21,6 @@ the transfer is dropped, so nothing keeps computing or holding KV for nobody.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,12 +30,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from crossfill.config import CrossfillConfig, Instance
-from crossfill.engine.sampling import SamplingParams
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
-from crossfill.kv.tcp import KVSender
+from crossfill.serving.connector import PrefillConnector, build_manifest
 from crossfill.serving.errors import APIError, parse_body
-from crossfill.serving.kvlink import build_manifest, make_sender
-from crossfill.serving.protocol import PrefillJob, ndjson
+from crossfill.serving.protocol import (
+    Accepted,
+    Alive,
+    ErrorEvent,
+    FirstToken,
+    KVReport,
+    PrefillDone,
+    PrefillJob,
+    ndjson,
+)
 from crossfill.serving.worker_common import WorkerBase, release_when_request_ends
 
 log = logging.getLogger("crossfill.prefill")
@@ -44,59 +56,62 @@ class PrefillWorker(WorkerBase):
         super().__init__(cfg, inst, engine)
         self.capacity = cfg.inference_service.prefill_pool.max_queue_depth
         self.pending = 0
-        self._senders: dict[tuple[str, int], KVSender] = {}
+        self.connector = PrefillConnector(cfg)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "queue_depth": self.pending, "capacity": self.capacity}
+        return {**super().stats(), "queue_depth": self.pending, "capacity": self.capacity,
+                "transport": self.connector.transport}
 
-    def _sender(self, host: str, port: int) -> KVSender:
-        key = (host, port)
-        if key not in self._senders:
-            self._senders[key] = make_sender(self.cfg, host, port)
-        return self._senders[key]
+    async def on_started(self) -> None:
+        await self.connector.start()
 
     async def close(self) -> None:
-        for s in self._senders.values():
-            await s.close()
+        await self.connector.close()
 
     async def run(self, job: PrefillJob) -> AsyncIterator[bytes]:
         """Admit or refuse `job`, then stream its progress events; cleans up if the caller leaves."""
         arrived = time.perf_counter()
-        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent] = asyncio.Queue()
         task = asyncio.create_task(self._prefill(job, arrived, events))
         finished = False
         try:
-            yield ndjson({"event": "accepted", "instance": self.inst.name, "queue_depth": self.pending})
+            yield ndjson(Accepted(instance=self.inst.name, queue_depth=self.pending))
             while True:
                 try:
                     ev = await asyncio.wait_for(events.get(), HEARTBEAT_S)
                 except TimeoutError:
-                    yield ndjson({"event": "alive"})
+                    yield ndjson(Alive())
                     continue
                 yield ndjson(ev)
-                if ev["event"] in ("done", "error"):
+                if isinstance(ev, PrefillDone | ErrorEvent):
                     finished = True
                     return
         finally:
             if not finished:
                 log.info("prefill %s: caller went away, aborting", job.request_id)
                 task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+            await asyncio.gather(task, return_exceptions=True)
 
-    async def _prefill(self, job: PrefillJob, arrived: float, events: asyncio.Queue[dict[str, Any]]) -> None:
+    async def _prefill(self, job: PrefillJob, arrived: float,
+                       events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent]) -> None:
         engine_id = job.cache_id  # unique per attempt, so a retry never collides with a stale one
         t_first: float | None = None
         out: PrefillOutput | None = None
         try:
-            params = SamplingParams(**job.sampling.model_dump())
+            plan = self.connector.plan(job)
+            if plan.refused is not None:
+                # A claim we cannot check costs bytes, never output: send everything, and say so.
+                self.metrics.reuse_refused.labels(plan.refused.split(":", 1)[0]).inc()
+                log.warning("prefill %s: decode's cached-prefix claim not used (%s); sending all KV",
+                            job.request_id, plan.refused)
             manifest = build_manifest(self.cfg, cache_id=job.cache_id, request_id=job.request_id,
                                       tenant=job.tenant_id or "", fingerprint=self.engine.fingerprint,
-                                      token_ids=job.prompt_token_ids, layer_specs=self.engine.layer_specs)
+                                      token_ids=job.prompt_token_ids, layer_specs=self.engine.layer_specs,
+                                      skip_tokens=plan.export_from)
             layers = max(len(self.engine.layer_specs), 1)
-            async with self._sender(job.kv_host, job.kv_port).open(manifest) as tx:
-                async for item in self.engine.prefill(engine_id, job.prompt_token_ids, params,
-                                                      namespace=job.tenant_id or ""):
+            async with self.connector.open(job, manifest) as tx:
+                async for item in self.engine.prefill(engine_id, job.prompt_token_ids, job.sampling,
+                                                      namespace=job.tenant_id or "", export_from=plan.export_from):
                     if isinstance(item, LayerKVChunk):
                         if t_first is None:
                             t_first = time.perf_counter()
@@ -111,34 +126,38 @@ class PrefillWorker(WorkerBase):
                 per_layer = (t_done - first) / max(layers - 1, 1)
                 start = max(arrived, first - per_layer)
                 timings = {"queue": (start - arrived) * 1000, "prefill": (t_done - start) * 1000}
+                result = {"first_token_id": out.first_token_id, "timings_ms": timings,
+                          "num_cached_tokens": out.num_cached_tokens, "export_from": plan.export_from,
+                          "reuse_refused": plan.refused}
                 # The first token travels now, beside the last KV frames, not after the commit's
                 # acknowledgement has come back: that saves decode a round trip on the WAN.
-                await events.put({"event": "first_token", "first_token_id": out.first_token_id,
-                                  "timings_ms": timings, "num_cached_tokens": out.num_cached_tokens})
+                await events.put(FirstToken(**result))
                 stats = await tx.commit()
             t_commit = time.perf_counter()
             timings["commit_wait"] = (t_commit - t_done) * 1000
             self.metrics.prefill.observe(t_done - start)
-            log.info("prefill %s cache=%s tokens=%d cached=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s%s",
-                     job.request_id, job.cache_id, len(job.prompt_token_ids), out.num_cached_tokens,
+            log.info("prefill %s cache=%s tokens=%d cached=%d sent_from=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s%s",
+                     job.request_id, job.cache_id, len(job.prompt_token_ids), out.num_cached_tokens, plan.export_from,
                      timings["prefill"], stats.raw_bytes, stats.wire_bytes, job.decode_instance,
                      f" trace={job.trace_id}" if job.trace_id else "")
-            await events.put({"event": "done", "first_token_id": out.first_token_id, "timings_ms": timings,
-                              "num_cached_tokens": out.num_cached_tokens, "kv": stats.as_dict()})
+            await events.put(PrefillDone(**result, kv=KVReport.model_validate(stats.as_dict())))
         except asyncio.CancelledError:
             await self._abort_engine(engine_id)
             raise
         except ValueError as exc:
-            await events.put({"event": "error", "status": 400, "code": "invalid_request", "message": str(exc)})
+            await events.put(ErrorEvent(status=400, code="invalid_request", message=str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported to decode, which retries or falls back
             log.warning("prefill %s cache=%s failed: %s: %s", job.request_id, job.cache_id, type(exc).__name__, exc)
             await self._abort_engine(engine_id)
-            await events.put({"event": "error", "status": 502, "code": "prefill_failed",
-                              "message": f"prefill on {self.inst.name} failed: {type(exc).__name__}: {exc}"})
+            await events.put(ErrorEvent(status=502, code="prefill_failed",
+                                        message=f"prefill on {self.inst.name} failed: {type(exc).__name__}: {exc}"))
 
     async def _abort_engine(self, engine_id: str) -> None:
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.shield(self.engine.abort(engine_id))
+        except Exception as exc:  # noqa: BLE001 - logged and counted; the request is over
+            self.metrics.cleanup_failures.labels("engine_abort").inc()
+            log.warning("prefill: aborting %s failed: %s", engine_id, exc)
 
 
 def create_prefill_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> FastAPI:

@@ -1,32 +1,30 @@
 """Messages between the serving processes (control plane, HTTP/JSON) and the route report.
 
-gateway --POST /v1/route--> scheduler            RouteAnswer
-gateway --POST /v1/decode--> decode (NDJSON)     DecodeJob in; events "routed", "delta", "done", "error" out
-decode  --POST /v1/prefill--> prefill (NDJSON)   PrefillJob in; events "accepted", "alive", "done", "error" out
+gateway --POST /v1/route--> scheduler            RouteQuery in; a `Route` (crossfill.policy) out
+gateway --POST /v1/decode--> decode (NDJSON)     DecodeJob in; DecodeEvent out: routed, delta, done | error
+decode  --POST /v1/prefill--> prefill (NDJSON)   PrefillJob in; PrefillEvent out: accepted, alive*,
+                                                 first_token, done | error
 KV frames travel on the data plane (crossfill.kv), never through these messages.
+
+Every event is a typed message with a `Literal` kind, parsed once where it arrives
+(`parse_decode_event`, `parse_prefill_event`), so no reader guesses at dict keys. Jobs carry the
+engine's own `SamplingParams` and the policy's own `Route` (pydantic validates the dataclasses),
+so there is one definition of each.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from crossfill.engine.sampling import SamplingParams
+from crossfill.policy.routing import Route
 
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class SamplingMsg(_Msg):
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    seed: int | None = None
-    stop: list[str] = []
-    ignore_eos: bool = False
 
 
 class RouteQuery(_Msg):
@@ -36,20 +34,11 @@ class RouteQuery(_Msg):
     tenant_id: str | None = None
 
 
-class RouteMsg(_Msg):
-    kind: str  # "local" | "remote"
-    prefill: str
-    decode: str
-    fallbacks: list[str] = []
-    degradation_reason: str | None = None
-    reason: str = ""
-
-
 class DecodeJob(_Msg):
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingMsg
-    route: RouteMsg
+    sampling: SamplingParams
+    route: Route
     tenant_id: str | None = None
     trace_id: str | None = None
     deadline_s: float = 600.0  # whole request, from the moment decode receives it
@@ -59,34 +48,44 @@ class PrefillJob(_Msg):
     request_id: str
     cache_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingMsg
+    sampling: SamplingParams
     kv_host: str  # where to send the KV (decode's KV port, or the WAN emulator in front of it)
     kv_port: int
     decode_instance: str
     tenant_id: str | None = None
     trace_id: str | None = None
     deadline_s: float = 600.0
+    # Reuse across the wire: decode already holds the KV of the first `decode_cached_tokens` prompt
+    # tokens; `decode_prefix_digest` (crossfill.kv.wire.token_digest of those tokens) lets prefill
+    # check the claim. Prefill sends only the rest, or everything when the claim does not hold.
+    decode_cached_tokens: int = Field(0, ge=0)
+    decode_prefix_digest: str | None = None
 
 
-@dataclass
-class RouteInfo:
+class RouteInfo(BaseModel):
     """What every response reports about how it was served (the `crossfill` object, M5.10 logs)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     request_id: str
     route: str = "local"  # local | remote: where the prefill that produced the used KV ran
     prefill_instance: str | None = None
     decode_instance: str | None = None
     cache_id: str | None = None
+    transport: str | None = None  # kv_cache.transport that carried the KV (None: colocated)
     kv_raw_bytes: int = 0
     kv_wire_bytes: int = 0
-    timings_ms: dict[str, float] = field(default_factory=dict)
+    decode_cached_tokens: int = 0  # prompt tokens decode already held, so they never crossed
+    prefill_cached_tokens: int = 0  # prompt tokens prefill took from its own prefix cache
+    kv_wire_bytes_saved: int = 0  # estimated wire bytes the decode-held prefix did not need
+    timings_ms: dict[str, float] = {}
     retries: int = 0
     degradation_reason: str | None = None
     trace_id: str | None = None
     tenant_id: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = self.model_dump()
         d["timings_ms"] = {k: round(v, 2) for k, v in self.timings_ms.items()}
         return d
 
@@ -106,9 +105,118 @@ class RouteInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RouteInfo:
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+        return cls.model_validate(d)
 
 
-def ndjson(event: dict[str, Any]) -> bytes:
-    return (json.dumps(event, separators=(",", ":")) + "\n").encode()
+# --------------------------------------------------------------------------- events
+
+
+class ErrorEvent(_Msg):
+    """An explicit failure; before the first token it also becomes the HTTP status."""
+
+    event: Literal["error"] = "error"
+    status: int = 502
+    code: str | None = None
+    message: str = ""
+    param: str | None = None
+    retry_after: int | None = None
+    crossfill: RouteInfo | None = None
+
+
+# -- prefill -> decode
+
+
+class Accepted(_Msg):
+    event: Literal["accepted"] = "accepted"
+    instance: str
+    queue_depth: int = 0
+
+
+class Alive(_Msg):
+    """Heartbeat while the prefill waits or computes, so decode tells busy from dead."""
+
+    event: Literal["alive"] = "alive"
+
+
+class PrefillResult(_Msg):
+    """What prefill knows once it has computed: the first token, timings and what was reused."""
+
+    first_token_id: int
+    timings_ms: dict[str, float] = {}
+    num_cached_tokens: int = 0  # prefill's own prefix-cache hits
+    export_from: int = 0  # first prompt token whose KV was sent (the decode-held prefix was skipped)
+    reuse_refused: str | None = None  # why decode's cached-prefix claim was not used (everything sent)
+
+
+class FirstToken(PrefillResult):
+    event: Literal["first_token"] = "first_token"
+
+
+class KVReport(_Msg):
+    """The transfer's cost (crossfill.kv.backend.TransferStats), as the sender measured it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    raw_bytes: int = 0
+    wire_bytes: int = 0
+    duration_s: float = 0.0
+    commit_wait_s: float = 0.0
+    retransmits: int = 0
+    reconnects: int = 0
+    streams: int = 1
+
+
+class PrefillDone(PrefillResult):
+    event: Literal["done"] = "done"
+    kv: KVReport = KVReport()
+
+
+PrefillEvent = Annotated[Accepted | Alive | FirstToken | PrefillDone | ErrorEvent, Field(discriminator="event")]
+
+# -- decode -> gateway
+
+
+class Routed(_Msg):
+    """KV is in place and decoding starts; carries the final route."""
+
+    event: Literal["routed"] = "routed"
+    crossfill: RouteInfo
+
+
+class Delta(_Msg):
+    event: Literal["delta"] = "delta"
+    token_ids: list[int] = []
+    text: str = ""
+
+
+class Usage(_Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Done(_Msg):
+    event: Literal["done"] = "done"
+    finish_reason: str | None = None
+    usage: Usage = Usage()
+    crossfill: RouteInfo | None = None
+
+
+DecodeEvent = Annotated[Routed | Delta | Done | ErrorEvent, Field(discriminator="event")]
+
+_prefill_events: TypeAdapter[Any] = TypeAdapter(PrefillEvent)
+_decode_events: TypeAdapter[Any] = TypeAdapter(DecodeEvent)
+
+
+def parse_prefill_event(line: str | bytes) -> Accepted | Alive | FirstToken | PrefillDone | ErrorEvent:
+    """One NDJSON line from a prefill stream; raises pydantic.ValidationError on anything else."""
+    return _prefill_events.validate_json(line)
+
+
+def parse_decode_event(line: str | bytes) -> Routed | Delta | Done | ErrorEvent:
+    """One NDJSON line from a decode stream; raises pydantic.ValidationError on anything else."""
+    return _decode_events.validate_json(line)
+
+
+def ndjson(event: BaseModel) -> bytes:
+    return event.model_dump_json().encode() + b"\n"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +34,7 @@ from crossfill.policy import InstanceState, LinkState, NoRoute, RouteRequest, Sn
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
-from crossfill.serving.protocol import RouteMsg, RouteQuery, _Msg
+from crossfill.serving.protocol import RouteQuery, _Msg
 
 log = logging.getLogger("crossfill.scheduler")
 
@@ -231,9 +232,7 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
             metrics.fallbacks.labels("routing").inc()
             log.warning("request %s degraded at routing: %s", q.request_id, r.degradation_reason)
         log.info("route %s: %s prefill=%s decode=%s (%s)", q.request_id, r.kind, r.prefill, r.decode, r.reason)
-        msg = RouteMsg(kind=r.kind, prefill=r.prefill, decode=r.decode, fallbacks=list(r.fallbacks),
-                       degradation_reason=r.degradation_reason, reason=r.reason)
-        return msg.model_dump()
+        return dataclasses.asdict(r)
 
     @app.post("/v1/report/transfer")
     async def report(request: Request) -> dict[str, bool]:

@@ -1,7 +1,8 @@
 """`crossfill up`: a whole topology on this machine, each role in its own process.
 
 Starts the WAN emulators first (so remote instances are reachable through them from the start),
-then the workers, the scheduler and the gateway; waits until every one answers `/readyz`, prints
+the Mooncake Store master when `kv_cache.start_mooncake_master` asks for it (workers connect to it
+as they start, so `up` waits until it listens), then the workers, the scheduler and the gateway; waits until every one answers `/readyz`, prints
 where the API is, and keeps watch. Ctrl-C or SIGTERM (or any child dying) stops everything:
 SIGTERM to each child, then SIGKILL after a grace period, so no orphan keeps a port or a model.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,10 +37,39 @@ def _spawn(name: str, args: list[str]) -> subprocess.Popen[bytes]:
                             "PYTHONUNBUFFERED": "1"})
 
 
+def _mooncake_master(address: str) -> subprocess.Popen[bytes]:
+    from crossfill.kv.store.mooncake_master import find_master_binary
+
+    host, _, port = address.rpartition(":")
+    args = [str(find_master_binary()), f"--rpc_address={host}", f"--rpc_port={port}",
+            "--enable_http_metadata_server=false", "--default_kv_lease_ttl=1000"]
+    proc = subprocess.Popen(args, start_new_session=True, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        if proc.poll() is not None:
+            raise ConfigError(f"mooncake_master exited with status {proc.returncode} at start on {address} "
+                              "(inference_service.kv_cache.mooncake_master): is the port free?")
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                return proc
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise ConfigError(f"mooncake_master did not listen on {address} within 20 s") from None
+            time.sleep(0.05)
+
+
 def start_children(cfg: CrossfillConfig, config_path: str) -> list[Child]:
     children: list[Child] = []
     if cfg.crossings():
         children.append(Child("links", _spawn("links", ["-m", "crossfill.serving.links", config_path]), None))
+    kv = cfg.inference_service.kv_cache
+    if kv.start_mooncake_master and kv.mooncake_master is not None:
+        try:
+            children.append(Child("mooncake_master", _mooncake_master(kv.mooncake_master), None))
+        except Exception:
+            stop_children(children)  # the emulators already run: leave nothing behind
+            raise
     order = sorted(cfg.instances(), key=lambda i: {"prefill": 0, "decode": 1, "scheduler": 2, "gateway": 3}[i.role])
     for inst in order:
         args = ["-m", "crossfill.cli", "serve", inst.role, "--config", config_path]
@@ -100,7 +131,11 @@ def run_up(config_path: str) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    children = start_children(cfg, config_path)
+    try:
+        children = start_children(cfg, config_path)
+    except Exception as exc:  # noqa: BLE001 - the reason is printed; nothing was left running
+        print(f"crossfill up: cannot start: {exc}", file=sys.stderr)
+        return 1
     status = 0
     try:
         why = wait_ready(children, cfg.serving.startup_timeout_s, stopping)

@@ -120,7 +120,7 @@ def test_config_check_cli(tmp_path: Path) -> None:
 @pytest.mark.parametrize("codec,lossy", [("lz4", False), ("none", False), ("int8", True), ("fp8+zstd", True)])
 def test_lossy_kv_imports_get_their_own_prefix_cache_namespace(codec: str, lossy: bool) -> None:
     """Decode publishes imported KV to its prefix cache; approximated KV must not serve as exact KV."""
-    from crossfill.serving.kvlink import import_namespace
+    from crossfill.serving.connector import import_namespace
 
     doc = seed_doc()
     doc["inference_service"]["kv_cache"]["codec"] = codec
@@ -129,3 +129,44 @@ def test_lossy_kv_imports_get_their_own_prefix_cache_namespace(codec: str, lossy
     assert (ns != "tenant-a") is lossy
     if lossy:
         assert ns.startswith("tenant-a") and codec in ns
+
+
+@pytest.mark.parametrize("kv,message", [
+    ({"transport": "carrier-pigeon"}, "inference_service.kv_cache.transport: expected one of 'tcp', 'mooncake_te' or 'store'"),
+    ({"transport": "store", "store": "tape"}, "inference_service.kv_cache.store: expected one of 'embedded' or 'mooncake'"),
+    ({"transport": "store", "store": "mooncake"}, "inference_service.kv_cache.mooncake_master: required"),
+    ({"transport": "store", "store": "mooncake", "mooncake_master": "nowhere"},
+     "inference_service.kv_cache.mooncake_master: expected \"host:port\""),
+    ({"tls": {"cert_file": "/no/such.pem", "key_file": "/no/such.key", "ca_file": "/no/ca.pem"}},
+     "inference_service.kv_cache.tls.cert_file: cannot read '/no/such.pem'"),
+    ({"tls": {"cert_file": "x"}}, "inference_service.kv_cache.tls.key_file: required key is missing"),
+])
+def test_bad_transport_settings_name_the_key(kv: dict, message: str) -> None:
+    doc = seed_doc()
+    doc["inference_service"]["kv_cache"].update(kv)
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc)
+    assert message in str(err.value)
+
+
+def test_tls_is_refused_where_mooncake_carries_the_bytes(tmp_path: Path) -> None:
+    from crossfill.kv.tls import write_dev_pki
+
+    pki = write_dev_pki(tmp_path)
+    tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]), "ca_file": str(pki["ca"])}
+    doc = seed_doc()
+    doc["inference_service"]["kv_cache"].update({"transport": "tcp", "tls": tls})
+    assert parse_config(doc).inference_service.kv_cache.tls is not None
+    doc["inference_service"]["kv_cache"]["transport"] = "mooncake_te"
+    with pytest.raises(ConfigError, match="kv_cache.tls: Mooncake Transfer Engine moves KV bytes"):
+        parse_config(doc)
+
+
+def test_every_example_config_is_valid(tmp_path: Path) -> None:
+    from crossfill.kv.tls import write_dev_pki
+
+    write_dev_pki(tmp_path / ".pki")  # examples/two-dc-tls.yaml names .pki/ in the working directory
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        out = subprocess.run([sys.executable, "-m", "crossfill.cli", "config", "check", str(path)],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert out.returncode == 0, (path.name, out.stderr)

@@ -146,13 +146,16 @@ class Cluster:
 
 @contextlib.contextmanager
 def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memory_mb: int = 16,
+                   model_overrides: dict | None = None, decode_kv_memory_mb: int | None = None,
                    **overrides: object) -> Iterator[Cluster]:
     """Start a whole cluster (same code path as `crossfill up`), yield it, stop every process."""
     base = free_port_block(120)
     doc = cluster_config(Path(model), base, **overrides)
-    doc["model"] = {"name": model, "served_name": served_name, "max_num_seqs": 8}
+    doc["model"] = {"name": model, "served_name": served_name, "max_num_seqs": 8, **(model_overrides or {})}
     for rc in doc["resource_classes"].values():
         rc["kv_memory_mb"] = kv_memory_mb
+    if decode_kv_memory_mb is not None:
+        doc["resource_classes"]["high_bandwidth"]["kv_memory_mb"] = decode_kv_memory_mb
     path = tmp_dir / "cluster.yaml"
     path.write_text(yaml.safe_dump(doc))
     cfg = load_config(path)

@@ -1,0 +1,204 @@
+"""Getting one request's KV onto this decode instance: attempts in the order `policy.next_attempt` gives.
+
+Per attempt (M5.8): reserve the import first (only the blocks decode does not already hold; a full
+decode refuses with 503 before any transfer starts), expect a fresh cache id on the connector,
+ask the prefill instance to compute and send (telling it which prefix decode holds), and wait for
+both the prefill's first token and the verified commit. Any failure frees the attempt's blocks and
+cancels its expectation before the next attempt; the last answer is an explicit error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from crossfill.config import CrossfillConfig, Instance
+from crossfill.engine.sampling import SamplingParams
+from crossfill.engine.types import NoKVCapacityError
+from crossfill.kv.errors import TransferError
+from crossfill.policy.attempts import AttemptPlan, Failure, GiveUp, degradation_note, next_attempt
+from crossfill.serving.connector import DecodeConnector, Reservation, skipped_raw_bytes
+from crossfill.serving.errors import APIError
+from crossfill.serving.metrics import ServingMetrics
+from crossfill.serving.prefill_client import AttemptFailed, call_prefill
+from crossfill.serving.protocol import DecodeJob, FirstToken, PrefillDone, PrefillJob, RouteInfo
+
+log = logging.getLogger("crossfill.decode")
+
+
+@dataclass
+class Prefilled:
+    """Verified KV in the engine, ready to decode from `first_token_id`."""
+
+    reservation: Reservation
+    first_token_id: int
+    prefill: str
+    timings: dict[str, float]
+    raw_bytes: int
+    wire_bytes: int
+    prefill_cached_tokens: int = 0
+    decode_cached_tokens: int = 0  # held prefix actually skipped (0 when prefill sent everything)
+    wire_bytes_saved: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+# Called with (prefill instance, wire bytes, seconds, ok, tail seconds) after a transfer (best effort).
+TransferReport = Callable[[str, int, float, bool, float], None]
+
+
+class KVFetcher:
+    def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any, connector: DecodeConnector,
+                 http: httpx.AsyncClient, metrics: ServingMetrics, report: TransferReport,
+                 background: set[asyncio.Task[Any]]) -> None:
+        self.cfg, self.inst, self.engine, self.connector = cfg, inst, engine, connector
+        self.http, self.metrics, self.report, self.background = http, metrics, report, background
+        self.instances = {i.name: i for i in cfg.instances()}
+
+    def _where(self, name: str) -> str:
+        return "local" if self.instances[name].datacenter == self.inst.datacenter else "remote"
+
+    async def fetch(self, job: DecodeJob, params: SamplingParams, info: RouteInfo, started: float) -> Prefilled:
+        kv = self.cfg.inference_service.kv_cache
+        plan = AttemptPlan(
+            candidates=(job.route.prefill, *job.route.fallbacks),
+            prefill_instances=frozenset(n for n, i in self.instances.items() if i.role == "prefill"),
+            max_retry=kv.max_retry,
+            fallback_to_local=self.cfg.inference_service.routing.fallback_to_local_on_failure)
+        failures: list[Failure] = []
+        while True:
+            step = next_attempt(plan, failures)
+            if isinstance(step, GiveUp):
+                self.metrics.errors.labels(step.code).inc()
+                raise APIError(step.status, f"{job.request_id}: {step.message}", code=step.code,
+                               retry_after=self.cfg.serving.retry_after_s if step.retry_after else None)
+            try:
+                got = await self._attempt(job, params, step.instance, started)
+            except AttemptFailed as exc:
+                failures.append(Failure(step.instance, exc.reason, exc.status, exc.retryable))
+                info.retries = len(failures)
+                self.metrics.retries.inc()
+                log.warning("decode %s: KV from %s failed (%s)", job.request_id, step.instance, exc.reason)
+                self.report(step.instance, 0, 0.0, False, 0.0)
+                continue
+            note = degradation_note(plan, failures, step, self._where(step.instance))
+            if note is not None:
+                if step.index > 0:
+                    self.metrics.fallbacks.labels("prefill_failed").inc()
+                    log.warning("decode %s: FALLBACK %s", job.request_id, note)
+                info.degradation_reason = "; ".join(r for r in (info.degradation_reason, note) if r)
+            return got
+
+    async def _attempt(self, job: DecodeJob, params: SamplingParams, name: str, started: float) -> Prefilled:
+        kv = self.cfg.inference_service.kv_cache
+        timeout_s = kv.timeout_ms / 1000
+        cache_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        tenant = job.tenant_id or ""
+        try:
+            res = await self.connector.reserve(self.engine, cache_id, job.prompt_token_ids, params, tenant)
+        except NoKVCapacityError as exc:
+            raise APIError(503, f"decode instance {self.inst.name} has no free KV blocks: {exc}",
+                           code="decode_kv_full", retry_after=self.cfg.serving.retry_after_s) from None
+        ok = False
+        try:
+            self.connector.expect(res, fingerprint=self.engine.fingerprint, prompt=job.prompt_token_ids, tenant=tenant)
+            kv_host, kv_port = self.cfg.kv_address(self.inst.name, self.instances[name].datacenter)
+            pjob = PrefillJob(request_id=job.request_id, cache_id=cache_id, prompt_token_ids=job.prompt_token_ids,
+                              sampling=params, kv_host=kv_host, kv_port=kv_port, decode_instance=self.inst.name,
+                              tenant_id=job.tenant_id, trace_id=job.trace_id,
+                              decode_cached_tokens=res.cached_tokens, decode_prefix_digest=res.prefix_digest)
+            t_call = time.perf_counter()
+            first, t_kv = await self._prefill_and_transfer(name, pjob, timeout_s)
+            raw, wire = self.connector.transfer_bytes(cache_id)
+            queue_ms = (t_call - started) * 1000 + first.timings_ms.get("queue", 0.0)
+            prefill_ms = first.timings_ms.get("prefill", 0.0)
+            transfer_ms = max((t_kv - started) * 1000 - queue_ms - prefill_ms, 0.0)
+            self.metrics.transfer.observe(transfer_ms / 1000)
+            self.metrics.kv_raw.inc(raw)
+            self.metrics.kv_wire.inc(wire)
+            skipped = first.export_from
+            saved = 0
+            if skipped:
+                # Estimate with this transfer's own compression ratio: what the prefix would have cost.
+                skipped_raw = skipped_raw_bytes(self.engine.layer_specs, self.cfg, len(job.prompt_token_ids), skipped)
+                saved = int(skipped_raw * (wire / raw)) if raw else skipped_raw
+                self.metrics.kv_reused_tokens.inc(skipped)
+                self.metrics.kv_saved.inc(saved)
+            notes = [f"decode's cached prefix not used: {first.reuse_refused}"] if first.reuse_refused else []
+            ok = True
+            return Prefilled(res, first.first_token_id, name,
+                             {"queue": queue_ms, "prefill": prefill_ms, "transfer": transfer_ms}, raw, wire,
+                             prefill_cached_tokens=first.num_cached_tokens, decode_cached_tokens=skipped,
+                             wire_bytes_saved=saved, notes=notes)
+        finally:
+            if not ok:
+                self.connector.cancel(cache_id, "attempt abandoned by decode")
+                try:
+                    await asyncio.shield(res.handle.abort())
+                except Exception as exc:  # noqa: BLE001 - logged and counted, the attempt is over anyway
+                    self.metrics.cleanup_failures.labels("import_abort").inc()
+                    log.warning("decode %s: aborting import %s failed: %s", job.request_id, cache_id, exc)
+
+    async def _prefill_and_transfer(self, name: str, pjob: PrefillJob,
+                                    timeout_s: float) -> tuple[FirstToken | PrefillDone, float]:
+        """Run the prefill call and the transfer wait side by side until both the first token and
+        the verified commit are in; the prefill stream then runs on to `done` in the background."""
+        cache_id = pjob.cache_id
+        t_kv: list[float] = []
+        loop = asyncio.get_running_loop()
+        first_fut: asyncio.Future[FirstToken | PrefillDone] = loop.create_future()
+
+        async def wait_kv() -> None:
+            await self.connector.wait(cache_id)
+            t_kv.append(time.perf_counter())  # when the commit verified, not when we noticed
+
+        def on_first(ev: FirstToken | PrefillDone) -> None:
+            self.connector.notify(cache_id)  # the sender is committing now: a store puller may look
+            if not first_fut.done():
+                first_fut.set_result(ev)
+
+        kv_task = asyncio.create_task(wait_kv())
+        pre_task = asyncio.create_task(call_prefill(self.http, self.cfg.http_url(name), pjob, timeout_s, on_first))
+        got_both = False
+        try:
+            while not (kv_task.done() and first_fut.done()):
+                waits: set[asyncio.Future[Any]] = set()
+                if not kv_task.done():
+                    waits.add(kv_task)
+                if not first_fut.done():
+                    waits |= {first_fut, pre_task}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if kv_task.done():
+                    kv_task.result()  # raises TransferError
+                if pre_task.done() and not first_fut.done():
+                    pre_task.result()  # raises AttemptFailed
+                    raise AttemptFailed("prefill stream ended without a first token")
+            got_both = True
+        except TransferError as exc:
+            raise AttemptFailed(f"KV transfer failed: {exc}") from None
+        finally:
+            if not got_both:
+                for t in (kv_task, pre_task):
+                    t.cancel()
+                await asyncio.gather(kv_task, pre_task, return_exceptions=True)
+        self._finish_in_background(pre_task, name)
+        return first_fut.result(), t_kv[0]
+
+    def _finish_in_background(self, pre_task: asyncio.Task[PrefillDone], name: str) -> None:
+        """Let the prefill stream reach `done`, then report the transfer to the scheduler."""
+        self.background.add(pre_task)
+
+        def done(t: asyncio.Task[PrefillDone]) -> None:
+            self.background.discard(t)
+            if t.cancelled() or t.exception() is not None:
+                return
+            k = t.result().kv
+            self.report(name, k.wire_bytes, k.duration_s, True, k.commit_wait_s)
+
+        pre_task.add_done_callback(done)
