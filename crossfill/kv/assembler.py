@@ -11,6 +11,8 @@ failure the consumer gets a TransferError telling it to discard what the sink re
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import inspect
 import time
 from collections import Counter
@@ -27,6 +29,7 @@ Sink = Callable[[LayerKVChunk], Awaitable[None] | None]
 # Frames at least this large, with a codec that does real work, are decoded in a worker thread so
 # the event loop keeps serving acks; a plain copy is cheaper inline than a thread hand-off.
 _THREAD_DECODE_BYTES = 1 << 20
+DEFAULT_TIMEOUT_S = 8.0
 
 
 class Counters:
@@ -51,8 +54,8 @@ class Expectation:
 
     `fingerprint`, `token_digest`, `tenant` and `manifest` are each checked when given; the decode
     worker normally knows the first three (its own model, the request's prompt and tenant).
-    `timeout_s` bounds the silence between messages; `deadline` (time.monotonic seconds) bounds
-    the whole transfer.
+    `timeout_s` bounds the silence between messages (None: the receiver's `timeout_ms`);
+    `deadline` (time.monotonic seconds) bounds the whole transfer.
     """
 
     cache_id: str
@@ -61,7 +64,7 @@ class Expectation:
     token_digest: str | None = None
     tenant: str | None = None
     manifest: Manifest | None = None
-    timeout_s: float = 8.0
+    timeout_s: float | None = None
     deadline: float | None = None
 
 
@@ -81,6 +84,10 @@ class Assembly:
     last_activity: float = field(default_factory=time.monotonic)
     done: asyncio.Future[Manifest] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.expect.timeout_s is None:  # made without a receiver's TransferTable: its default
+            self.expect = dataclasses.replace(self.expect, timeout_s=DEFAULT_TIMEOUT_S)
 
     @property
     def cache_id(self) -> str:
@@ -256,3 +263,49 @@ class Assembly:
         self.counters.add("transfers_completed")
         self.done.set_result(m)
         return []
+
+
+class TransferTable:
+    """A receiver's expected transfers, and its finished ones for a while (every receiver keeps one).
+
+    Finished transfers stay answerable (`lookup`, `transfer_bytes`) after `wait()` returned, so
+    decode can still read what a transfer cost, and a sender whose commit answer was lost can
+    reconnect and get it again instead of failing a transfer that succeeded.
+    """
+
+    def __init__(self, timeout_s: float, keep_finished: int = 1024) -> None:
+        self.timeout_s = timeout_s  # silence bound of an Expectation that does not set one
+        self.keep_finished = keep_finished
+        self.counters = Counters()
+        self.active: dict[str, Assembly] = {}
+        self.finished: collections.OrderedDict[str, Assembly] = collections.OrderedDict()
+
+    def expect(self, exp: Expectation) -> Assembly:
+        """Register `exp` (call from the event loop); a cache id already expected is a ValueError."""
+        if not isinstance(exp, Expectation):
+            raise TypeError(f"expect() takes an Expectation, got {type(exp).__name__}")
+        if exp.cache_id in self.active:
+            raise ValueError(f"cache id {exp.cache_id!r} is already expected; cache ids must be unique per transfer")
+        if exp.timeout_s is None:
+            exp = dataclasses.replace(exp, timeout_s=self.timeout_s)
+        self.finished.pop(exp.cache_id, None)
+        a = self.active[exp.cache_id] = Assembly(exp, self.counters)
+        self.counters.add("transfers_expected")
+        return a
+
+    def lookup(self, cache_id: str) -> Assembly | None:
+        """The transfer, whether still expected or recently finished."""
+        return self.active.get(cache_id) or self.finished.get(cache_id)
+
+    def retire(self, cache_id: str) -> Assembly | None:
+        """Move a transfer from the expected ones to the finished ones; returns it (None if unknown)."""
+        a = self.active.pop(cache_id, None)
+        if a is not None:
+            self.finished[cache_id] = a
+            while len(self.finished) > self.keep_finished:
+                self.finished.popitem(last=False)
+        return a
+
+    def transfer_bytes(self, cache_id: str) -> tuple[int, int]:
+        a = self.lookup(cache_id)
+        return (a.raw_bytes, a.wire_bytes) if a else (0, 0)

@@ -8,9 +8,14 @@ halves so workers never care which one carries a transfer:
   (pins) the encoded frames until the receiver acknowledges the commit, so any of them can be
   resent; with codec `none` a frame views the chunk's tensors rather than copying them, so the
   caller hands over tensors it no longer writes (the engine's exports are fresh copies).
-* receiving: `receiver.expect(Expectation(...))` before the KV can arrive (decode has reserved its
-  blocks), then `await receiver.wait(cache_id)`, which returns the verified manifest once the
-  commit is acknowledged or raises TransferError with a Reason; on error the consumer discards.
+* receiving: `await receiver.start()`, then per transfer `receiver.expect(Expectation(...))`
+  before the KV can arrive (decode has reserved its blocks), then `await receiver.wait(cache_id)`,
+  which returns the verified manifest once the commit is acknowledged or raises TransferError
+  with a Reason; on error the consumer discards.  `transfer_bytes`, `counters`, `cancel`,
+  `notify` and `address` mean the same on every receiver.
+
+Workers build both halves with `crossfill.kv.transports` (by transport name) and are typed against
+these two classes only, never a backend class.
 
 Leaving the `open()` block without `commit()` aborts the transfer on both sides.
 """
@@ -22,6 +27,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
+from typing import Self
 
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Expectation
@@ -104,13 +110,38 @@ class TransferBackend(abc.ABC):
 
 
 class ReceiveBackend(abc.ABC):
-    """Receiving half of a backend, used by the decode worker."""
+    """Receiving half of a backend, used by the decode worker; every receiver answers all of it.
+
+    Lifecycle: `await start()` (binds a server where the backend has one) ... `await close()`, or
+    `async with receiver:`.  Per transfer: `expect(Expectation)` before the KV can arrive, then
+    `await wait(cache_id)`; `transfer_bytes(cache_id)` stays answerable after `wait()` returned.
+    """
 
     name: str = "abstract"
 
+    async def start(self) -> Self:
+        """Start serving (no-op where there is nothing to start); returns self."""
+        return self
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop serving; transfers still expected fail with `aborted`."""
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Where senders reach this receiver: host:port, or a description of the store it pulls from."""
+
     @abc.abstractmethod
     def expect(self, expectation: Expectation) -> None:
-        """Register a transfer decode is ready for; frames for unregistered cache ids are refused."""
+        """Register a transfer decode is ready for (call from the event loop); frames for
+        unregistered cache ids are refused.  A cache id already expected is a ValueError.  An
+        Expectation without `timeout_s` gets the receiver's `timeout_ms`."""
 
     @abc.abstractmethod
     async def wait(self, cache_id: str) -> Manifest:
@@ -123,3 +154,12 @@ class ReceiveBackend(abc.ABC):
     @abc.abstractmethod
     def counters(self) -> dict[str, int]:
         """Accepted / refused counts by reason, for metrics and troubleshooting."""
+
+    @abc.abstractmethod
+    def transfer_bytes(self, cache_id: str) -> tuple[int, int]:
+        """(raw, wire) payload bytes accepted for a current or recently finished transfer; (0, 0) if unknown."""
+
+    def notify(self, cache_id: str) -> bool:
+        """Hint that the sender committed `cache_id` (e.g. from the control channel); True when
+        the receiver acted on it.  Only receivers that poll need it; the default ignores it."""
+        return False

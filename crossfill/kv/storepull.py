@@ -22,25 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, Self
 
-from crossfill.engine.types import LayerKVChunk
-from crossfill.kv.assembler import Assembly, Counters, Expectation, Sink
-from crossfill.kv.backend import (
-    OutgoingTransfer,
-    ReceiveBackend,
-    TransferBackend,
-    TransferStats,
-    aborted_unless_committed,
-)
-from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
+from crossfill.kv.assembler import Assembly, Expectation, TransferTable
+from crossfill.kv.backend import ReceiveBackend
 from crossfill.kv.errors import Reason, TransferError, WireError
+from crossfill.kv.sender import FrameSender, SenderBackend, check_limits
 from crossfill.kv.store.base import DEFAULT_TENANT, KVStore, StoreError, Watch, WatchableKVStore
 from crossfill.kv.wire import (
+    Frame,
     Manifest,
-    commit_body,
-    commit_digest,
     manifest_body,
     parse_commit_body,
     parse_frame,
@@ -71,42 +64,61 @@ def store_tenant(tenant: str) -> str:
     return tenant or DEFAULT_TENANT
 
 
-class StorePushSender(TransferBackend):
-    """Sending half: writes a transfer's objects into `store`."""
+def describe_store(store: KVStore) -> str:
+    """How a receiver that pulls from `store` is reached: the store's address, or its kind."""
+    return str(getattr(store, "address", None) or f"{type(store).__name__} (in process)")
+
+
+class StoreService(Protocol):
+    """A server that makes a store reachable (`crossfill.kv.store.remote.StoreServer`)."""
+
+    @property
+    def address(self) -> str: ...
+
+    async def start(self) -> object: ...
+
+    async def close(self) -> None: ...
+
+
+class StorePushSender(SenderBackend):
+    """Sending half: writes a transfer's objects into `store` (embedded, remote or Mooncake)."""
 
     name = "store"
 
-    def __init__(self, store: KVStore, *, timeout_ms: int = 8000, max_retry: int = 2, parallel_puts: int = 4) -> None:
+    def __init__(self, store: KVStore, *, timeout_ms: int = 8000, max_retry: int = 2, parallel_puts: int = 4,
+                 owns_store: bool = False) -> None:
+        check_limits(timeout_ms, max_retry)
         self.store = store
+        self.owns_store = owns_store  # close() closes the store (e.g. a RemoteStore made for this sender)
         self.timeout_s = timeout_ms / 1000
         self.max_retry = max_retry
         self.parallel_puts = max(1, parallel_puts)
 
-    @contextlib.asynccontextmanager
-    async def open(self, manifest: Manifest) -> AsyncIterator[OutgoingTransfer]:
-        tx = _StoreTransfer(self, manifest)
-        await tx.put(object_keys(manifest.cache_id)[0], manifest_body(manifest))
-        async with aborted_unless_committed(tx):
-            yield tx
+    def _transfer(self, manifest: Manifest) -> FrameSender:
+        return _StoreTransfer(self, manifest)
+
+    async def close(self) -> None:
+        if self.owns_store:
+            await asyncio.to_thread(self.store.close)
 
 
-class _StoreTransfer(OutgoingTransfer):
+class _StoreTransfer(FrameSender):
+    pin_frames = False  # a frame is in the store once its put returned: nothing to resend from memory
+
     def __init__(self, backend: StorePushSender, manifest: Manifest) -> None:
+        super().__init__(manifest)
         self.b = backend
-        self.m = manifest
         self.tenant = store_tenant(manifest.tenant)
-        self.cutter = FrameCutter(manifest)
-        self.checksums: dict[int, int] = {}
         self.pending: set[asyncio.Task[None]] = set()
         self.slots = asyncio.Semaphore(backend.parallel_puts)
-        self.error: TransferError | None = None
-        self.committed = False
-        self.raw_bytes = self.wire_bytes = self.retries = 0
-        self.t_open = time.monotonic()
-        self.t_last_send = self.t_open
+        self.manifest_put = False
 
     def _ttl(self) -> float:
         return max(_MIN_TTL_S, self.m.expires_at - time.time())
+
+    async def start(self) -> None:
+        await self.put(object_keys(self.m.cache_id)[0], manifest_body(self.m))
+        self.manifest_put = True
 
     async def put(self, key: str, data: bytes) -> None:
         """One object, retried up to max_retry times; each attempt bounded by timeout_ms."""
@@ -117,10 +129,9 @@ class _StoreTransfer(OutgoingTransfer):
                 return
             except (StoreError, OSError, TimeoutError) as exc:
                 if attempt == self.b.max_retry:
-                    self.error = self.error or TransferError(
-                        Reason.CONNECTION, f"store put of {key} failed {attempt + 1} times: {exc}", self.m.cache_id)
-                    raise self.error from exc
-                self.retries += 1
+                    raise self._fail(Reason.CONNECTION,
+                                     f"store put of {key} failed {attempt + 1} times: {exc}") from exc
+                self.retransmits += 1
                 await asyncio.sleep(0.05 * 2 ** attempt)
 
     async def _put_frame(self, key: str, data: bytes) -> None:
@@ -129,50 +140,34 @@ class _StoreTransfer(OutgoingTransfer):
         finally:
             self.slots.release()
 
-    async def send(self, chunk: LayerKVChunk) -> None:
-        if self.error is not None:
-            raise self.error
-        if self.committed:
-            raise RuntimeError("send() after commit()")
-        prefix = object_keys(self.m.cache_id)[1]
-        for piece in self.cutter.cut(chunk):
-            frame = await asyncio.to_thread(encode_piece, self.m, piece) if self.m.codec != "none" \
-                else encode_piece(self.m, piece)
-            self.checksums[frame.seq] = frame.checksum
-            self.raw_bytes += frame.raw_len
-            self.wire_bytes += frame.payload_len
-            await self.slots.acquire()  # bounded puts in flight: backpressure on a slow store
-            task = asyncio.create_task(self._put_frame(f"{prefix}{frame.seq}", frame.body()))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
-        self.t_last_send = time.monotonic()
+    async def _ship(self, frame: Frame) -> None:
+        await self.slots.acquire()  # bounded puts in flight: backpressure on a slow store
+        task = asyncio.create_task(self._put_frame(f"{object_keys(self.m.cache_id)[1]}{frame.seq}", frame.body()))
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
 
-    async def commit(self) -> TransferStats:
-        missing = self.cutter.incomplete()
-        if missing:
-            raise ChunkError("commit() before all KV was sent: " + "; ".join(missing[:4]))
+    async def _deliver_commit(self, body: bytes) -> None:
         results = await asyncio.gather(*self.pending, return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
-                raise self.error or TransferError(Reason.CONNECTION, str(r), self.m.cache_id)
-        digest = commit_digest([self.checksums[s] for s in range(self.m.frame_count)])
-        await self.put(object_keys(self.m.cache_id)[2], commit_body(self.m.frame_count, digest))
-        self.committed = True
-        now = time.monotonic()
-        return TransferStats(self.m.cache_id, self.m.frame_count, self.raw_bytes, self.wire_bytes, self.retries, 0,
-                             now - self.t_open, now - self.t_last_send)
+                raise self.error or self._fail(Reason.CONNECTION, str(r))
+        await self.put(object_keys(self.m.cache_id)[2], body)
 
-    async def abort(self, reason: str) -> None:
+    async def _tell_abort(self, reason: str) -> None:
         """Remove what was written: the puller then times out or finds no commit, never partial KV."""
         for t in list(self.pending):
             t.cancel()
         await asyncio.gather(*self.pending, return_exceptions=True)
+        if not self.manifest_put:
+            return  # nothing was written (the store refused the manifest)
         manifest_key, prefix, commit_key = object_keys(self.m.cache_id)
         keys = [commit_key, manifest_key] + [f"{prefix}{s}" for s in self.checksums]
         for key in keys:
             with contextlib.suppress(StoreError, OSError):
                 await asyncio.to_thread(self.b.store.delete, key, self.tenant)
-        self.committed = True  # nothing left to do on exit
+
+    async def _close(self) -> None:
+        pass
 
 
 class _Backoff:
@@ -281,8 +276,10 @@ class StorePullReceiver(ReceiveBackend):
     name = "store"
 
     def __init__(self, store: KVStore, *, timeout_ms: int = 8000, poll_ms: float = 2.0, max_poll_ms: float = 50.0,
-                 prefetch: int = 4, delete_after_pull: bool = True) -> None:
+                 prefetch: int = 4, delete_after_pull: bool = True, server: StoreService | None = None,
+                 keep_finished: int = 1024) -> None:
         self.store = store
+        self.server = server  # serves `store` to remote senders while this receiver runs (decode's KV port)
         self.timeout_s = timeout_ms / 1000
         self.poll_s = poll_ms / 1000
         self.max_poll_s = max_poll_ms / 1000
@@ -290,30 +287,32 @@ class StorePullReceiver(ReceiveBackend):
         self.delete_after_pull = delete_after_pull
         # Decided once: a wrapper that hides `watch` (as the benchmark's polling baseline does) polls.
         self._watch_store: WatchableKVStore | None = store if isinstance(store, WatchableKVStore) else None
-        self._counters = Counters()
+        self.transfers = TransferTable(self.timeout_s, keep_finished)
+        self._counters = self.transfers.counters
         self._pulls: dict[str, _Pull] = {}
 
-    def expect(self, target: Expectation | str, sink: Sink | None = None, *, fingerprint: str | None = None,
-               token_digest: str | None = None, tenant: str | None = None, timeout_ms: int | None = None,
-               deadline: float | None = None) -> None:
-        if isinstance(target, Expectation):
-            exp = target
-        else:
-            if sink is None:
-                raise ValueError("expect() needs a sink callable that imports verified LayerKVChunks")
-            exp = Expectation(cache_id=target, sink=sink, fingerprint=fingerprint, token_digest=token_digest,
-                              tenant=tenant, timeout_s=(timeout_ms / 1000) if timeout_ms else self.timeout_s,
-                              deadline=deadline)
-        if exp.cache_id in self._pulls:
-            raise ValueError(f"cache id {exp.cache_id!r} is already expected; cache ids must be unique per transfer")
-        a = Assembly(exp, self._counters)
-        self._counters.add("transfers_expected")
-        p = _Pull(a, store_tenant(exp.tenant or ""), asyncio.get_running_loop(),
+    async def start(self) -> Self:
+        if self.server is not None:
+            await self.server.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        if self.server is not None:
+            return self.server.address
+        return describe_store(self.store)
+
+    def transfer_bytes(self, cache_id: str) -> tuple[int, int]:
+        return self.transfers.transfer_bytes(cache_id)
+
+    def expect(self, expectation: Expectation) -> None:
+        a = self.transfers.expect(expectation)
+        p = _Pull(a, store_tenant(a.expect.tenant or ""), asyncio.get_running_loop(),
                   _Backoff(self.poll_s, self.max_poll_s))
         a.done.add_done_callback(lambda _: p.wake.fire(None))  # finished or failed: no reader sleeps on
         p.task = asyncio.create_task(self._pull(p))
         p.task.add_done_callback(_retrieve)  # wait() reports it
-        self._pulls[exp.cache_id] = p
+        self._pulls[a.cache_id] = p
 
     async def wait(self, cache_id: str) -> Manifest:
         p = self._pulls.get(cache_id)
@@ -325,6 +324,7 @@ class StorePullReceiver(ReceiveBackend):
             return p.assembly.done.result()
         finally:
             self._pulls.pop(cache_id, None)
+            self.transfers.retire(cache_id)
 
     def notify(self, cache_id: str) -> bool:
         """Wake-up hint: objects of `cache_id` have (probably) landed, e.g. prefill's commit.
@@ -347,6 +347,7 @@ class StorePullReceiver(ReceiveBackend):
 
     def cancel(self, cache_id: str, reason: str = "cancelled by decode") -> None:
         p = self._pulls.pop(cache_id, None)
+        self.transfers.retire(cache_id)
         if p is not None:
             p.stop_watching()  # now, not when the task next runs: no listener outlives cancel()
             p.assembly.fail(Reason.ABORTED, reason)
@@ -359,6 +360,8 @@ class StorePullReceiver(ReceiveBackend):
     async def close(self) -> None:
         for cache_id in list(self._pulls):
             self.cancel(cache_id, "receiver closed")
+        if self.server is not None:
+            await self.server.close()
 
     # -- learning of new objects ------------------------------------------------------------
     def _subscribe(self, p: _Pull) -> None:

@@ -45,17 +45,16 @@ import collections
 import contextlib
 import json
 import logging
+import ssl
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.assembler import Assembly
-from crossfill.kv.backend import OutgoingTransfer, TransferBackend, TransferStats, aborted_unless_committed
-from crossfill.kv.chunker import ChunkError, FrameCutter, encode_piece
+from crossfill.kv.control import ControlServer, FramePath
 from crossfill.kv.errors import Reason, TransferError, WireError
 from crossfill.kv.mooncake_te import (
     BufferDescriptor,
@@ -64,14 +63,21 @@ from crossfill.kv.mooncake_te import (
     PendingWrite,
     RegisteredBuffer,
 )
-from crossfill.kv.tcp import KVReceiver, parse_endpoint, refused_frame_failure
+from crossfill.kv.sender import (
+    RETRY_MANIFEST,
+    FrameSender,
+    Retry,
+    SenderBackend,
+    check_limits,
+    parse_endpoint,
+    reconnect_delay,
+    refused_frame_failure,
+)
 from crossfill.kv.wire import (
     Frame,
     Manifest,
     MsgType,
     answer,
-    commit_body,
-    commit_digest,
     manifest_body,
     max_frame_body,
     message,
@@ -95,11 +101,6 @@ COALESCE_BYTES = 4 << 20
 # rounds an idle wait up to 1 ms, but answers arriving on the control stream wake it sooner; a
 # worker thread polling every 100 us measured no better on loopback, so the loop does it.
 _POLL_MIN_S, _POLL_MAX_S = 0.0001, 0.002
-# Codecs that do real work encode large frames in a worker thread, as in the TCP backend.
-_THREAD_ENCODE_BYTES = 1 << 20
-# Manifest refusals that may clear up (the decode side has not registered the cache id yet, or
-# the message was corrupted): retried like a broken stream.
-_RETRY_MANIFEST = frozenset({Reason.UNKNOWN_CACHE_ID, Reason.CHECKSUM, Reason.MALFORMED})
 # How long a failed transfer's staging buffer is kept for TE writes still in flight to finish.
 _RELEASE_WAIT_S = 60.0
 
@@ -108,20 +109,16 @@ _RELEASE_WAIT_S = 60.0
 # receiver
 # =============================================================================================
 
-class TEReceiver(KVReceiver):
-    """KVReceiver whose frames arrive by Mooncake TE into a per-transfer registered region."""
+class TEFrames(FramePath):
+    """The control server's frame path for TE: a registered region per transfer, frames by reference."""
 
-    name = "mooncake-te"
-
-    def __init__(self, engine: MooncakeTransferEngine, host: str = "127.0.0.1", port: int = 0, *,
-                 region_bytes: int = DEFAULT_REGION_BYTES, **kw: object) -> None:
-        super().__init__(host, port, **kw)  # type: ignore[arg-type]
+    def __init__(self, engine: MooncakeTransferEngine, region_bytes: int = DEFAULT_REGION_BYTES) -> None:
         self.engine = engine
         self.region_bytes = region_bytes
-        self._regions: dict[str, RegisteredBuffer] = {}
+        self.regions: dict[str, RegisteredBuffer] = {}
 
-    def _accepted_text(self, a: Assembly) -> str:
-        region = self._regions.get(a.cache_id)
+    def accepted_text(self, a: Assembly) -> str:
+        region = self.regions.get(a.cache_id)
         if region is None:
             if a.finished:
                 # Its commit was accepted and the region released: a sender that lost the commit's
@@ -130,48 +127,55 @@ class TEReceiver(KVReceiver):
             assert a.manifest is not None
             size = max(max_frame_body(a.manifest), min(self.region_bytes, _total_bound(a.manifest)))
             try:
-                region = self._regions[a.cache_id] = self.engine.allocate(size)
+                region = self.regions[a.cache_id] = self.engine.allocate(size)
             except (MooncakeTEError, MemoryError) as exc:
                 raise WireError(Reason.NO_RESOURCES, f"cannot register a {size}-byte TE staging region "
                                 f"for this transfer: {exc}") from exc
         return self.engine.describe(region).to_json()
 
-    async def _on_frame_ref(self, bound: Assembly | None, body: bytes) -> bytes:
+    async def frame_ref(self, server: ControlServer, bound: Assembly | None, body: bytes) -> bytes:
         if bound is None:
-            self._counters.refuse(Reason.UNKNOWN_CACHE_ID)
-            return answer(MsgType.FRAME_ACK, Reason.UNKNOWN_CACHE_ID, 0, "frame on a stream with no accepted manifest")
-        region = self._regions.get(bound.cache_id)
+            return server.refuse(MsgType.FRAME_ACK, Reason.UNKNOWN_CACHE_ID, "frame on a stream with no accepted manifest")
+        region = self.regions.get(bound.cache_id)
         if region is None and bound.finished:  # the region went with the transfer
             failure = bound.done.exception()
             if failure is None:
                 # A reconnected sender repeating a FRAME_REF whose answer it lost, after its
                 # commit completed the transfer: that frame was accepted.
                 return answer(MsgType.FRAME_ACK, Reason.OK, 0, "transfer already complete")
-            self._counters.refuse(Reason.ABORTED)
-            return answer(MsgType.FRAME_ACK, Reason.ABORTED, 0, f"transfer already failed: {failure}")
+            return server.refuse(MsgType.FRAME_ACK, Reason.ABORTED, f"transfer already failed: {failure}")
         if len(body) != FRAME_REF.size or region is None:
-            self._counters.refuse(Reason.MALFORMED)
-            return answer(MsgType.FRAME_ACK, Reason.MALFORMED, 0, "bad FRAME_REF")
+            return server.refuse(MsgType.FRAME_ACK, Reason.MALFORMED, "bad FRAME_REF")
         offset, length = FRAME_REF.unpack(body)
         if offset + length > region.nbytes:
-            self._counters.refuse(Reason.OVERSIZED)
-            return answer(MsgType.FRAME_ACK, Reason.OVERSIZED, 0,
-                          f"frame at [{offset}, {offset + length}) outside the {region.nbytes}-byte region")
+            return server.refuse(MsgType.FRAME_ACK, Reason.OVERSIZED,
+                                 f"frame at [{offset}, {offset + length}) outside the {region.nbytes}-byte region")
         # An owned, writable copy: the checksum and the decoder see the same bytes even if the
         # region is written again, and the decoder may build the sink's tensors over it in place.
         data = bytearray(region.array[offset:offset + length])
-        return await self._on_frame(bound, data)
+        return await server.on_frame(bound, data)
 
-    def _retire(self, cache_id: str) -> None:
-        super()._retire(cache_id)
-        region = self._regions.pop(cache_id, None)
+    def released(self, cache_id: str) -> None:
+        region = self.regions.pop(cache_id, None)
         if region is not None:
             self.engine.unregister(region)
 
-    async def close(self) -> None:
-        await super().close()
-        for cache_id in list(self._regions):
-            self.engine.unregister(self._regions.pop(cache_id))
+    def close(self) -> None:
+        for cache_id in list(self.regions):
+            self.released(cache_id)
+
+
+class TEReceiver(ControlServer):
+    """The shared control server with frames arriving by Mooncake TE into a per-transfer region."""
+
+    name = "mooncake_te"
+
+    def __init__(self, engine: MooncakeTransferEngine, host: str = "127.0.0.1", port: int = 0, *,
+                 region_bytes: int = DEFAULT_REGION_BYTES, tls: ssl.SSLContext | None = None,
+                 timeout_ms: int = 8000, keep_finished: int = 1024) -> None:
+        super().__init__(host, port, frames=TEFrames(engine, region_bytes), tls=tls, timeout_ms=timeout_ms,
+                         keep_finished=keep_finished)
+        self.engine = engine
 
 
 def _total_bound(m: Manifest) -> int:
@@ -182,30 +186,25 @@ def _total_bound(m: Manifest) -> int:
 # sender
 # =============================================================================================
 
-class TESender(TransferBackend):
+class TESender(SenderBackend):
     """Sends transfers to a TEReceiver: control to `endpoint`, bytes by `engine`.
 
     `timeout_ms` bounds each wait (connecting, an answer owed, TE writes making progress);
     `max_retry` bounds refusals per frame, failed writes per frame and reconnections in a row.
     """
 
-    name = "mooncake-te"
+    name = "mooncake_te"
 
     def __init__(self, endpoint: str | tuple[str, int], engine: MooncakeTransferEngine, *,
                  timeout_ms: int = 8000, max_retry: int = 2) -> None:
-        if timeout_ms <= 0 or max_retry < 0:
-            raise ValueError(f"timeout_ms must be > 0 and max_retry >= 0, got {timeout_ms} and {max_retry}")
+        check_limits(timeout_ms, max_retry)
         self.host, self.port = parse_endpoint(endpoint)
         self.engine = engine
         self.timeout_s = timeout_ms / 1000
         self.max_retry = max_retry
 
-    @contextlib.asynccontextmanager
-    async def open(self, manifest: Manifest) -> AsyncIterator[OutgoingTransfer]:
-        tx = _TETransfer(self, manifest)
-        async with aborted_unless_committed(tx):
-            await tx.start()
-            yield tx
+    def _transfer(self, manifest: Manifest) -> FrameSender:
+        return _TETransfer(self, manifest)
 
 
 @dataclass(eq=False)
@@ -229,23 +228,11 @@ class _Write:
     remote: BufferDescriptor  # the region it lands in (a reconnect may hand out another)
 
 
-class _Retry(Exception):
-    """The control stream broke or was refused in a way that reconnecting may fix."""
-
-    def __init__(self, reason: Reason, text: str) -> None:
-        super().__init__(text)
-        self.reason = reason
-        self.text = text
-
-
-class _TETransfer(OutgoingTransfer):
+class _TETransfer(FrameSender):
     def __init__(self, sender: TESender, manifest: Manifest) -> None:
+        super().__init__(manifest)
         self.s = sender
-        self.m = manifest
-        self.cutter = FrameCutter(manifest)
-        self.frames: dict[int, Frame] = {}  # pinned until the commit is acknowledged
         self.retries: collections.Counter[int] = collections.Counter()
-        self.raw_bytes = self.wire_bytes = self.retransmits = self.reconnects = 0
         # Ring space is held from the oldest unanswered slot (ring[0]) up to `head`, wrapping.
         self.ring: collections.deque[_Slot] = collections.deque()
         self.head = 0
@@ -260,14 +247,10 @@ class _TETransfer(OutgoingTransfer):
         self.remote: BufferDescriptor | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.failures = 0  # stream breaks and failed reconnections since the last answer
-        self.error: TransferError | None = None
-        self.committed = False
-        self.closed = False
         self.changed = asyncio.Event()
         self.tasks: list[asyncio.Task[None]] = []
         self.poller: asyncio.Task[None] | None = None
-        now = time.monotonic()
-        self.t_open = self.t_last_send = now
+        now = self.t_open
         self.last_answer = now  # answers owed on the stream are owed since then
         self.last_write = now  # a TE write last finished then (or the first of a busy spell was submitted)
         self.last_progress = now
@@ -291,7 +274,8 @@ class _TETransfer(OutgoingTransfer):
 
     def _fail(self, reason: Reason, text: str) -> TransferError:
         if self.error is None:
-            self.error = TransferError(reason, text, self.m.cache_id)
+            super()._fail(reason, text)
+            assert self.error is not None
             if self.commit_answer is not None and not self.commit_answer.done():
                 self.commit_answer.set_exception(self.error)
                 self.commit_answer.exception()
@@ -312,17 +296,12 @@ class _TETransfer(OutgoingTransfer):
                 if time.monotonic() - self.last_progress > self.stall_s:
                     raise self._fail(Reason.TIMEOUT, f"no progress towards {what} for {self.stall_s:.1f} s") from None
 
-    async def abort(self, reason: str) -> None:
-        if self.closed:
-            return
+    async def _tell_abort(self, reason: str) -> None:
         if self.writer is not None and not self.writer.is_closing():
             with contextlib.suppress(Exception):
                 self.writer.write(message(MsgType.ABORT, reason.encode()[:1024]))
-        self._fail(Reason.ABORTED, reason)
-        await self._close()
 
     async def _close(self) -> None:
-        self.closed = True
         tasks = [t for t in (*self.tasks, self.poller) if t is not None]
         for t in tasks:
             t.cancel()
@@ -330,7 +309,6 @@ class _TETransfer(OutgoingTransfer):
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        self.frames.clear()  # unpin: the commit was acknowledged, or the transfer is over
         self.ring.clear()
         self.to_write.clear()
         self.to_ref.clear()
@@ -350,25 +328,12 @@ class _TETransfer(OutgoingTransfer):
         task.add_done_callback(_BACKGROUND.discard)
 
     # -- sending --------------------------------------------------------------------------
-    async def send(self, chunk: LayerKVChunk) -> None:
-        if self.error is not None:
-            raise self.error
-        if self.committed or self.closed:
-            raise RuntimeError("send() after commit() or abort()")
-        for piece in self.cutter.cut(chunk):
-            if self.m.codec != "none" and piece.k.numel() * piece.k.element_size() * 2 >= _THREAD_ENCODE_BYTES:
-                frame = await asyncio.to_thread(encode_piece, self.m, piece)
-            else:
-                frame = encode_piece(self.m, piece)
-            self.frames[frame.seq] = frame
-            self.raw_bytes += frame.raw_len
-            self.wire_bytes += frame.payload_len
-            await self._stage(frame)
-            self._kick()
-            # Let the poller reap finished writes (and send their FRAME_REFs) between frames, so a
-            # large chunk does not leave TE idle once MAX_WRITES are in flight.
-            await asyncio.sleep(0)
-        self.t_last_send = time.monotonic()
+    async def _ship(self, frame: Frame) -> None:
+        await self._stage(frame)
+        # The base yields after this: the poller reaps finished writes (and sends their
+        # FRAME_REFs) between frames, so a large chunk does not leave TE idle once MAX_WRITES are
+        # in flight.
+        self._kick()
 
     async def _stage(self, frame: Frame) -> None:
         """Copy a frame into free ring space of the staging buffer and queue its TE write."""
@@ -528,14 +493,8 @@ class _TETransfer(OutgoingTransfer):
         self.answers.append("commit")
         self.writer.write(self.commit_msg)
 
-    async def commit(self) -> TransferStats:
-        if self.error is not None:
-            raise self.error
-        missing = self.cutter.incomplete()
-        if missing:
-            raise ChunkError("commit() before all KV was sent: " + "; ".join(missing[:4]))
-        digest = commit_digest([self.frames[s].checksum for s in range(self.m.frame_count)])
-        self.commit_msg = message(MsgType.COMMIT, commit_body(self.m.frame_count, digest))
+    async def _deliver_commit(self, body: bytes) -> None:
+        self.commit_msg = message(MsgType.COMMIT, body)
         for attempt in range(self.s.max_retry + 1):
             fut = self.commit_answer = asyncio.get_running_loop().create_future()
             self.commit_state = "due"
@@ -547,15 +506,6 @@ class _TETransfer(OutgoingTransfer):
             if reason not in (Reason.INCOMPLETE, Reason.CHECKSUM) or attempt == self.s.max_retry:
                 raise self._fail(reason, f"commit refused: {text}")
             await self._stage_missing(missing_seqs)
-        self.committed = True
-        now = time.monotonic()
-        stats = TransferStats(
-            cache_id=self.m.cache_id, frames=self.m.frame_count, raw_bytes=self.raw_bytes,
-            wire_bytes=self.wire_bytes, retransmits=self.retransmits, reconnects=self.reconnects,
-            duration_s=now - self.t_open, commit_wait_s=now - self.t_last_send,
-        )
-        await self._close()
-        return stats
 
     async def _stage_missing(self, seqs: tuple[int, ...]) -> None:
         """Stage again the frames the receiver reports missing that are not already on their way."""
@@ -575,10 +525,10 @@ class _TETransfer(OutgoingTransfer):
                 await self._read_answers(reader)
             except TransferError:
                 return  # fatal: _fail has recorded it
-            except _Retry as exc:
+            except Retry as exc:
                 last = exc
             except (OSError, TimeoutError, EOFError, WireError) as exc:
-                last = _Retry(Reason.CONNECTION, f"control stream lost: {type(exc).__name__}: {exc}")
+                last = Retry(Reason.CONNECTION, f"control stream lost: {type(exc).__name__}: {exc}")
             self._drop_stream()
             if self.error is not None or self.closed:
                 return
@@ -588,7 +538,7 @@ class _TETransfer(OutgoingTransfer):
                            f"{self.s.max_retry} retries)")
                 return
             self.reconnects += 1
-            await asyncio.sleep(min(1.0, 0.05 * 2 ** (self.failures - 1)))
+            await asyncio.sleep(reconnect_delay(self.failures))
 
     async def _handshake(self) -> asyncio.StreamReader:
         """Connect, send the manifest and take the receiver's region from its answer."""
@@ -596,16 +546,16 @@ class _TETransfer(OutgoingTransfer):
             reader, writer = await asyncio.wait_for(asyncio.open_connection(self.s.host, self.s.port),
                                                     self.s.timeout_s)
         except (OSError, TimeoutError) as exc:
-            raise _Retry(Reason.CONNECTION, f"cannot open the control stream: {type(exc).__name__}: {exc}") from exc
+            raise Retry(Reason.CONNECTION, f"cannot open the control stream: {type(exc).__name__}: {exc}") from exc
         try:
             writer.write(message(MsgType.MANIFEST, manifest_body(self.m)))
             try:
                 kind, code, body = await asyncio.wait_for(read_message(reader, 1 << 20), self.s.timeout_s)
                 ans = parse_answer(kind, code, body)
             except (OSError, TimeoutError, EOFError, WireError) as exc:
-                raise _Retry(Reason.CONNECTION, f"no manifest answer: {type(exc).__name__}: {exc}") from exc
-            if ans.reason in _RETRY_MANIFEST:  # e.g. decode has not registered the cache id yet
-                raise _Retry(ans.reason, f"manifest refused: {ans.text}")
+                raise Retry(Reason.CONNECTION, f"no manifest answer: {type(exc).__name__}: {exc}") from exc
+            if ans.reason in RETRY_MANIFEST:  # e.g. decode has not registered the cache id yet
+                raise Retry(ans.reason, f"manifest refused: {ans.text}")
             if ans.reason is not Reason.OK:
                 raise self._fail(ans.reason, f"manifest refused: {ans.text}")
             await self._adopt(ans.text)

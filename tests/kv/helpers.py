@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from crossfill.engine.types import LayerKVChunk, LayerSpec
+from crossfill.kv.assembler import Expectation, Sink
 from crossfill.kv.wire import Manifest
 
 FINGERPRINT = "f" * 64
@@ -38,6 +39,12 @@ def build_manifest(specs: list[LayerSpec], tokens: int, cache_id: str = "cache-1
     return Manifest.build(cache_id=cache_id, request_id="req-1", tenant="tenant-a", fingerprint=FINGERPRINT,
                           token_ids=list(range(tokens)), layer_specs=specs, codec=codec, prune_windows=prune,
                           frame_tokens=frame_tokens, ttl_s=ttl_s)
+
+
+def expectation(cache_id: str, sink: Sink, *, timeout_ms: int | None = None, **kw: object) -> Expectation:
+    """An Expectation with the silence bound in milliseconds, as the tests write it."""
+    return Expectation(cache_id, sink, timeout_s=None if timeout_ms is None else timeout_ms / 1000,
+                       **kw)  # type: ignore[arg-type]
 
 
 class Collector:

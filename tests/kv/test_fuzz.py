@@ -28,7 +28,7 @@ from crossfill.kv.wire import (
     token_digest,
 )
 
-from .helpers import FINGERPRINT, Collector, build_manifest, hybrid_specs, make_kv
+from .helpers import FINGERPRINT, Collector, build_manifest, expectation, hybrid_specs, make_kv
 
 TOKENS = 40
 SPECS = hybrid_specs(n=3, heads=2, dim=8, window=16)
@@ -72,8 +72,8 @@ async def _feed(codec: str, data: bytes) -> tuple[str, Collector, list]:
     asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
     sink = Collector()
     async with KVReceiver() as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
-                  tenant="tenant-a", timeout_ms=2000)
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
+                  tenant="tenant-a", timeout_ms=2000))
         reader, writer = await asyncio.open_connection("127.0.0.1", rx.port)
         writer.write(data)
         await writer.drain()

@@ -13,7 +13,7 @@ from crossfill.kv.tcp import KVReceiver, KVSender
 from crossfill.kv.wire import token_digest
 from crossfill.net.linkemu import LinkEmulator
 
-from .helpers import FINGERPRINT, Collector, assert_identical, build_manifest, make_kv
+from .helpers import FINGERPRINT, Collector, assert_identical, build_manifest, expectation, make_kv
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,7 +30,7 @@ async def test_tail_after_last_layer_is_about_one_layer_plus_a_round_trip() -> N
     compute = layer_tx * 1.3  # prefill a bit slower than the link: the link keeps up
     sink = Collector()
     async with KVReceiver() as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(tokens)))
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(tokens))))
         async with LinkEmulator(upstream=("127.0.0.1", rx.port), bandwidth=bandwidth, latency=one_way * 1e3) as emu:
             async with KVSender(f"127.0.0.1:{emu.listen_port}", connections=2).open(m) as tx:
                 for layer in range(layers):

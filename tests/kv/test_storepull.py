@@ -15,7 +15,15 @@ from crossfill.kv.store import EmbeddedStore, StoreUnavailableError
 from crossfill.kv.storepull import StorePullReceiver, StorePushSender, _Backoff, object_keys
 from crossfill.kv.wire import token_digest
 
-from .helpers import FINGERPRINT, Collector, assert_identical, build_manifest, hybrid_specs, make_kv
+from .helpers import (
+    FINGERPRINT,
+    Collector,
+    assert_identical,
+    build_manifest,
+    expectation,
+    hybrid_specs,
+    make_kv,
+)
 
 pytestmark = pytest.mark.timeout(60)
 TOKENS = 100
@@ -59,8 +67,8 @@ def store(request):
 
 
 def _expect(rx: StorePullReceiver, m, sink, **kw) -> None:
-    rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
-              tenant="tenant-a", **kw)
+    rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
+              tenant="tenant-a", **kw))
 
 
 async def _upload(store, m, kv, delay: float = 0.0):
@@ -117,7 +125,7 @@ async def test_pull_refuses_wrong_model_expired_and_missing_commit(store) -> Non
     await _upload(store, m, kv)
     sink = Collector()
     rx = StorePullReceiver(store)
-    rx.expect(m.cache_id, sink, fingerprint="0" * 64, tenant="tenant-a")
+    rx.expect(expectation(m.cache_id, sink, fingerprint="0" * 64, tenant="tenant-a"))
     with pytest.raises(TransferError) as info:
         await rx.wait(m.cache_id)
     assert info.value.reason is Reason.FINGERPRINT_MISMATCH
@@ -155,7 +163,7 @@ async def test_aborted_upload_leaves_nothing_and_tenants_are_isolated(store) -> 
     m2 = build_manifest(specs, TOKENS, cache_id="tenant-a-only")
     await _upload(store, m2, kv)
     rx = StorePullReceiver(store, delete_after_pull=False)
-    rx.expect("tenant-a-only", Collector(), tenant="tenant-b", timeout_ms=300)
+    rx.expect(expectation("tenant-a-only", Collector(), tenant="tenant-b", timeout_ms=300))
     with pytest.raises(TransferError) as info:
         await rx.wait("tenant-a-only")
     assert info.value.reason is Reason.TIMEOUT  # another tenant's KV is invisible, not readable
@@ -296,13 +304,13 @@ async def test_listeners_end_with_completion_failure_timeout_cancel_and_close() 
     assert store.watch_count() == 0
 
     wrong = build_manifest(specs, TOKENS, cache_id="wrong-model")
-    rx.expect("wrong-model", Collector(), fingerprint="0" * 64, tenant="tenant-a")
+    rx.expect(expectation("wrong-model", Collector(), fingerprint="0" * 64, tenant="tenant-a"))
     await _upload(store, wrong, kv)
     with pytest.raises(TransferError, match="model"):
         await rx.wait("wrong-model")
     assert store.watch_count() == 0
 
-    rx.expect("never", Collector(), tenant="tenant-a", timeout_ms=200)
+    rx.expect(expectation("never", Collector(), tenant="tenant-a", timeout_ms=200))
     t0 = time.monotonic()
     with pytest.raises(TransferError) as info:
         await rx.wait("never")
@@ -310,7 +318,7 @@ async def test_listeners_end_with_completion_failure_timeout_cancel_and_close() 
     assert 0.19 < time.monotonic() - t0 < 0.6  # the sleep between reads ends at the deadline
     assert store.watch_count() == 0
 
-    rx.expect("cancelled", Collector(), tenant="tenant-a")
+    rx.expect(expectation("cancelled", Collector(), tenant="tenant-a"))
     await asyncio.sleep(0.02)
     assert store.watch_count() == 1
     rx.cancel("cancelled")
@@ -320,7 +328,7 @@ async def test_listeners_end_with_completion_failure_timeout_cancel_and_close() 
     assert info.value.reason is Reason.UNKNOWN_CACHE_ID
 
     for cid in ("a", "b"):
-        rx.expect(cid, Collector(), tenant="tenant-a")
+        rx.expect(expectation(cid, Collector(), tenant="tenant-a"))
     await asyncio.sleep(0.02)
     assert store.watch_count() == 2
     await rx.close()

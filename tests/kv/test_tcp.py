@@ -36,6 +36,7 @@ from .helpers import (
     FlipProxy,
     assert_identical,
     build_manifest,
+    expectation,
     hybrid_specs,
     make_kv,
 )
@@ -55,8 +56,8 @@ async def _send_all(sender: KVSender, manifest, kv, chunk_tokens: int = TOKENS):
 
 
 def _expect(rx: KVReceiver, manifest, sink, **kw) -> None:
-    rx.expect(manifest.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
-              tenant="tenant-a", **kw)
+    rx.expect(expectation(manifest.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
+              tenant="tenant-a", **kw))
 
 
 @pytest.mark.parametrize("codec,connections", [("none", 1), ("none", 4), ("zstd", 3), ("lz4", 2)])
@@ -175,7 +176,7 @@ async def test_mismatched_manifest_fails_both_sides_before_any_write(field: str,
     async with KVReceiver() as rx:
         expected = {"fingerprint": FINGERPRINT, "token_digest": token_digest(range(TOKENS)), "tenant": "tenant-a"}
         expected[field] = "something-else"
-        rx.expect(m.cache_id, sink, **expected)
+        rx.expect(expectation(m.cache_id, sink, **expected))
         with pytest.raises(TransferError) as info:
             await _send_all(KVSender(rx.endpoint), m, kv)
         assert info.value.reason is reason
@@ -204,13 +205,13 @@ async def test_expired_cache_id_refused_before_any_write() -> None:
 
 async def test_wait_for_kv_that_never_comes_raises_on_deadline() -> None:
     async with KVReceiver() as rx:
-        rx.expect("never", Collector(), timeout_ms=300)
+        rx.expect(expectation("never", Collector(), timeout_ms=300))
         t0 = time.monotonic()
         with pytest.raises(TransferError) as info:
             await rx.wait("never")
         assert info.value.reason is Reason.TIMEOUT
         assert 0.25 < time.monotonic() - t0 < 1.5
-        rx.expect("never-either", Collector(), timeout_ms=60_000, deadline=time.monotonic() + 0.2)
+        rx.expect(expectation("never-either", Collector(), timeout_ms=60_000, deadline=time.monotonic() + 0.2))
         with pytest.raises(TransferError, match="deadline"):
             await rx.wait("never-either")
         with pytest.raises(TransferError) as info:
@@ -374,7 +375,7 @@ async def test_large_frame_right_behind_the_manifest_is_accepted() -> None:
     assert max_frame_body(m) > MAX_MANIFEST_BYTES
     sink = Collector()
     async with KVReceiver() as rx:
-        rx.expect(m.cache_id, sink)
+        rx.expect(expectation(m.cache_id, sink))
         frame = encode_piece(m, FrameCutter(m).cut(LayerKVChunk(0, 0, *kv[0]))[0])
         reader, writer = await asyncio.open_connection("127.0.0.1", rx.port)
         writer.write(message(MsgType.MANIFEST, manifest_body(m)) + frame.to_bytes())

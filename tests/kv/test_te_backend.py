@@ -11,7 +11,15 @@ from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.errors import Reason, TransferError
 from crossfill.kv.wire import max_frame_body, token_digest
 
-from .helpers import FINGERPRINT, Collector, assert_identical, build_manifest, hybrid_specs, make_kv
+from .helpers import (
+    FINGERPRINT,
+    Collector,
+    assert_identical,
+    build_manifest,
+    expectation,
+    hybrid_specs,
+    make_kv,
+)
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(90)]
 TOKENS = 120
@@ -48,7 +56,7 @@ async def test_round_trip_through_a_small_ring(engines, codec: str) -> None:
     # A region of ~3 frames: the sender must wrap around and wait for answers to free space.
     region = 3 * max_frame_body(m)
     async with TEReceiver(recv_engine, region_bytes=region) as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)))
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS))))
         stats = await _send(TESender(rx.endpoint, send_engine), m, kv)
         assert (await rx.wait(m.cache_id)) == m
     assert stats.frames == m.frame_count > 3
@@ -70,13 +78,13 @@ async def test_refusals_and_plain_tcp_receiver_reject_frame_refs(engines) -> Non
             await _send(TESender(rx.endpoint, send_engine), m, kv)
         assert info.value.reason is Reason.UNKNOWN_CACHE_ID
         sink = Collector()
-        rx.expect(m.cache_id, sink, fingerprint="0" * 64)
+        rx.expect(expectation(m.cache_id, sink, fingerprint="0" * 64))
         with pytest.raises(TransferError) as info:
             await _send(TESender(rx.endpoint, send_engine), m, kv)
         assert info.value.reason is Reason.FINGERPRINT_MISMATCH
         assert sink.calls == 0
     async with KVReceiver() as plain:
-        plain.expect(m.cache_id, Collector())
+        plain.expect(expectation(m.cache_id, Collector()))
         with pytest.raises(TransferError):  # a TCP receiver gives no TE region: the sender cannot start
             await _send(TESender(plain.endpoint, send_engine, max_retry=0), m, kv)
 
@@ -85,6 +93,7 @@ _RECEIVER_PROCESS = """
 import asyncio, hashlib, sys
 import torch
 from crossfill.kv.mooncake_te import MooncakeTransferEngine
+from crossfill.kv.assembler import Expectation
 from crossfill.kv.te_backend import TEReceiver
 
 async def main():
@@ -92,7 +101,7 @@ async def main():
     def sink(chunk):
         seen[(chunk.layer, chunk.start)] = chunk
     async with TEReceiver(MooncakeTransferEngine(), region_bytes=1 << 20) as rx:
-        rx.expect(sys.argv[1], sink, fingerprint=sys.argv[2])
+        rx.expect(Expectation(sys.argv[1], sink, fingerprint=sys.argv[2]))
         print(rx.port, flush=True)
         await rx.wait(sys.argv[1])
     h = hashlib.sha256()
@@ -168,7 +177,7 @@ async def _many_frames(send_engine, recv_engine, cache_id: str, ring_frames: int
     m = build_manifest(specs, tokens, cache_id=cache_id, frame_tokens=8)
     sink = Collector()
     async with TEReceiver(recv_engine, region_bytes=ring_frames * max_frame_body(m)) as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT))
         stats = await _send(TESender(rx.endpoint, send_engine), m, kv)
         assert (await rx.wait(m.cache_id)) == m
     assert stats.frames == sink.calls == m.frame_count > 25 * ring_frames
@@ -195,13 +204,17 @@ async def test_frames_queued_behind_busy_writes_share_a_write(engines, monkeypat
     assert seen["writes"] < m.frame_count, "frames next to each other were never written together"
 
 
-class _RecordManifestAnswers:
-    """Mixin for a TEReceiver: keeps the text of every accepted manifest's answer (its region)."""
+def _record_manifest_answers(rx) -> list[str]:
+    """Keep the text of every manifest answer a TEReceiver's frame path gives (its region)."""
+    answers: list[str] = []
+    accepted_text = rx.frames.accepted_text
 
-    def _accepted_text(self, a):
-        text = super()._accepted_text(a)
-        self.manifest_answers = [*getattr(self, "manifest_answers", []), text]
-        return text
+    def recording(a):
+        answers.append(accepted_text(a))
+        return answers[-1]
+
+    rx.frames.accepted_text = recording
+    return answers
 
 
 @pytest.mark.parametrize("direction, cut_after", [("up", 150), ("down", 120)])
@@ -212,16 +225,14 @@ async def test_cut_control_stream_reconnects_and_completes_identically(engines, 
     from crossfill.kv.te_backend import TEReceiver, TESender
     from crossfill.net.linkemu import LinkEmulator
 
-    class Receiver(_RecordManifestAnswers, TEReceiver):
-        pass
-
     send_engine, recv_engine = engines
     specs = hybrid_specs(n=6, heads=2, dim=32)
     kv = make_kv(specs, TOKENS, seed=1)
     m = build_manifest(specs, TOKENS, cache_id=f"cut-{direction}")
     sink = Collector()
-    async with Receiver(recv_engine, region_bytes=8 * max_frame_body(m)) as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+    async with TEReceiver(recv_engine, region_bytes=8 * max_frame_body(m)) as rx:
+        manifest_answers = _record_manifest_answers(rx)
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT))
         async with LinkEmulator(upstream=("127.0.0.1", rx.port)) as emu:
             sender = TESender(f"127.0.0.1:{emu.listen_port}", send_engine, timeout_ms=2000)
             async with sender.open(m) as tx:
@@ -231,16 +242,16 @@ async def test_cut_control_stream_reconnects_and_completes_identically(engines, 
                 stats = await tx.commit()
             assert emu.counters.cuts >= 1
         assert (await rx.wait(m.cache_id)) == m
-        regions_registered = len(rx._regions)
+        regions_registered = len(rx.frames.regions)
     assert stats.reconnects >= 1
-    assert len(rx.manifest_answers) >= 2 and len(set(rx.manifest_answers)) == 1  # one region, handed out again
+    assert len(manifest_answers) >= 2 and len(set(manifest_answers)) == 1  # one region, handed out again
     assert_identical(m, kv, sink)
     assert sink.calls == m.frame_count  # a frame accepted before the cut was not applied again
     assert regions_registered == 0  # the one region, released when the transfer retired
 
 
 class _LoseFirstCommitAnswer:
-    """Mixin for a TEReceiver: the first commit is verified (the transfer completes) but its
+    """Mixin for a control server: the first commit is verified (the transfer completes) but its
     answer is lost with the stream, as when the link breaks right after the receiver acted."""
 
     lost = False
@@ -261,7 +272,7 @@ async def test_lost_commit_answer_reconnects_and_succeeds(engines, retired: bool
 
     from crossfill.kv.te_backend import TEReceiver, TESender
 
-    class Receiver(_LoseFirstCommitAnswer, _RecordManifestAnswers, TEReceiver):
+    class Receiver(_LoseFirstCommitAnswer, TEReceiver):
         pass
 
     send_engine, recv_engine = engines
@@ -270,14 +281,15 @@ async def test_lost_commit_answer_reconnects_and_succeeds(engines, retired: bool
     m = build_manifest(specs, TOKENS, cache_id=f"lost-commit-{retired}")
     sink = Collector()
     async with Receiver(recv_engine) as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+        manifest_answers = _record_manifest_answers(rx)
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT))
         waiter = asyncio.create_task(rx.wait(m.cache_id)) if retired else None
         async with TESender(rx.endpoint, send_engine, timeout_ms=2000).open(m) as tx:
             await _send_layers(tx, kv, sorted(kv))
             stats = await tx.commit()
         assert (await (waiter or rx.wait(m.cache_id))) == m
         assert rx.lost
-    first, *again = rx.manifest_answers
+    first, *again = manifest_answers
     # retired: the region is gone and the receiver says the transfer completed; else: the same region
     assert again == (['{"complete": true}'] if retired else [first])
     assert stats.reconnects >= 1
@@ -287,26 +299,27 @@ async def test_lost_commit_answer_reconnects_and_succeeds(engines, retired: bool
 
 async def test_refused_frame_is_written_again(engines) -> None:
     """A frame whose bytes arrive damaged is refused; the sender writes it again by TE and it is accepted."""
-    from crossfill.kv.te_backend import FRAME_REF, TEReceiver, TESender
+    from crossfill.kv.control import ControlServer
+    from crossfill.kv.te_backend import FRAME_REF, TEFrames, TESender
 
-    class Receiver(TEReceiver):
+    class DamagingFrames(TEFrames):
         damaged = 0
 
-        async def _on_frame_ref(self, bound, body):
-            region = self._regions.get(bound.cache_id) if bound is not None else None
+        async def frame_ref(self, server, bound, body):
+            region = self.regions.get(bound.cache_id) if bound is not None else None
             if region is not None and self.damaged < 2:
                 self.damaged += 1
                 offset, length = FRAME_REF.unpack(body)
                 region.array[offset + length - 1] ^= 0xFF  # last payload byte
-            return await super()._on_frame_ref(bound, body)
+            return await super().frame_ref(server, bound, body)
 
     send_engine, recv_engine = engines
     specs = hybrid_specs(n=3)
     kv = make_kv(specs, TOKENS, seed=4)
     m = build_manifest(specs, TOKENS, cache_id="refused")
     sink = Collector()
-    async with Receiver(recv_engine) as rx:
-        rx.expect(m.cache_id, sink, fingerprint=FINGERPRINT)
+    async with ControlServer(frames=DamagingFrames(recv_engine)) as rx:  # the TE path, composed
+        rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT))
         stats = await _send(TESender(rx.endpoint, send_engine), m, kv)
         assert (await rx.wait(m.cache_id)) == m
         assert rx.counters().get("refused_checksum") == 2
@@ -333,7 +346,7 @@ async def test_receiver_gone_for_good_fails_with_connection_in_bounded_time(engi
     emu = LinkEmulator(upstream=("127.0.0.1", rx.port))
     await emu.start()
     try:
-        rx.expect(m.cache_id, Collector(), fingerprint=FINGERPRINT)
+        rx.expect(expectation(m.cache_id, Collector(), fingerprint=FINGERPRINT))
         sender = TESender(f"127.0.0.1:{emu.listen_port}", send_engine, timeout_ms=timeout_ms, max_retry=max_retry)
         t0 = time.monotonic()
         with pytest.raises(TransferError) as info:
@@ -372,7 +385,7 @@ async def test_receiver_without_memory_for_a_region_refuses_clearly(engines, mon
 
     monkeypatch.setattr(recv_engine, "allocate", refuse)
     async with TEReceiver(recv_engine) as rx:
-        rx.expect(m.cache_id, Collector(), fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)))
+        rx.expect(expectation(m.cache_id, Collector(), fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS))))
         waiting = asyncio.create_task(rx.wait(m.cache_id))
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="no_resources") as info:
