@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +19,8 @@ from cryptography.x509.oid import NameOID
 
 from crossfill.engine.types import LayerKVChunk, LayerSpec
 from crossfill.kv.assembler import Expectation, Sink
+from crossfill.kv.store.base import KVStore
+from crossfill.kv.store.remote import StoreServer
 from crossfill.kv.wire import Manifest
 
 FINGERPRINT = "f" * 64
@@ -179,3 +184,21 @@ class FlipProxy:
             pass
         finally:
             writer.close()
+
+
+@contextlib.contextmanager
+def served_store(store: KVStore, **kw: object) -> Iterator[str]:
+    """Serve `store` with a StoreServer on its own event loop in a thread (as another process
+    would), so a test may call a RemoteStore synchronously from its own loop; yields the address."""
+    loop = asyncio.new_event_loop()
+    server = StoreServer(store, **kw)  # type: ignore[arg-type]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+        yield server.address
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

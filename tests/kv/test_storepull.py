@@ -12,6 +12,7 @@ import pytest
 from crossfill.engine.types import LayerKVChunk
 from crossfill.kv.errors import Reason, TransferError
 from crossfill.kv.store import EmbeddedStore, StoreUnavailableError
+from crossfill.kv.store.remote import RemoteStore
 from crossfill.kv.storepull import StorePullReceiver, StorePushSender, _Backoff, object_keys
 from crossfill.kv.wire import token_digest
 
@@ -23,6 +24,7 @@ from .helpers import (
     expectation,
     hybrid_specs,
     make_kv,
+    served_store,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,13 +58,17 @@ def mooncake_store(tmp_path_factory):
     master.stop()
 
 
-@pytest.fixture(params=["embedded", pytest.param("mooncake", marks=pytest.mark.mooncake)])
+@pytest.fixture(params=["embedded", "remote", pytest.param("mooncake", marks=pytest.mark.mooncake)])
 def store(request):
     if request.param == "mooncake":
         yield request.getfixturevalue("mooncake_store")
         return
     s = EmbeddedStore(memory_capacity_bytes=64 << 20)
-    yield s
+    if request.param == "remote":  # the same store behind a StoreServer, reached over loopback TCP
+        with served_store(s) as address, RemoteStore(address) as client:
+            yield client
+    else:
+        yield s
     s.close()
 
 
