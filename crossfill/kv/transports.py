@@ -1,0 +1,105 @@
+"""Build a transfer backend by transport name, so the serving layer never imports a backend class.
+
+Workers are typed against `TransferBackend` / `ReceiveBackend` (backend.py) and get them here from
+plain arguments (what the config says): `make_sender` on the prefill side, one per decode
+endpoint; `make_receiver` on the decode side, on its KV port.
+
+    transport     sender (prefill)                          receiver (decode)
+    tcp           KVSender -> endpoint                      KVReceiver on host:port
+    mooncake_te   TESender -> endpoint, bytes by `te`       TEReceiver on host:port, region in `te`
+    store         StorePushSender -> `store`, or a          StorePullReceiver on `store`; an embedded
+                  RemoteStore at endpoint when none given   store is also served on host:port
+
+So for the store transport with an embedded store, decode's KV port serves its store
+(StoreServer) and prefill pushes to it over the network; with Mooncake Store both sides pass
+their client of the cluster and nothing is served.  `tls` (crossfill.kv.tls contexts: client on
+the sender, server on the receiver) turns on mutual TLS where the transport has a TCP stream to
+protect: TCP streams and the store server.  The TE backend's bytes travel outside TLS, so
+`mooncake_te` with `tls` is refused rather than silently unencrypted.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import TYPE_CHECKING, Literal, get_args
+
+from crossfill.kv.backend import ReceiveBackend, TransferBackend
+from crossfill.kv.store.base import KVStore
+from crossfill.kv.store.embedded import EmbeddedStore
+from crossfill.kv.store.remote import RemoteStore, StoreServer
+from crossfill.kv.storepull import StorePullReceiver, StorePushSender
+from crossfill.kv.tcp import KVReceiver, KVSender
+from crossfill.kv.te_backend import TEReceiver, TESender
+
+if TYPE_CHECKING:
+    from crossfill.kv.mooncake_te import MooncakeTransferEngine
+
+Transport = Literal["tcp", "mooncake_te", "store"]
+TRANSPORTS: tuple[str, ...] = get_args(Transport)
+
+
+def check_transport(transport: str) -> Transport:
+    """The transport name, or a ValueError naming the valid ones."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {transport!r}: use one of {', '.join(TRANSPORTS)}")
+    return transport  # type: ignore[return-value]
+
+
+def _te_without_tls(te: MooncakeTransferEngine | None, tls: ssl.SSLContext | None) -> MooncakeTransferEngine:
+    if te is None:
+        raise ValueError("transport 'mooncake_te' needs a Mooncake Transfer Engine (te=make_te_engine(...))")
+    if tls is not None:
+        raise ValueError("transport 'mooncake_te' cannot use TLS: its bytes move outside any TLS stream; "
+                         "use 'tcp' or 'store' for an encrypted data plane")
+    return te
+
+
+def make_sender(transport: str, *, endpoint: tuple[str, int] | str, tls: ssl.SSLContext | None = None,
+                connections: int = 4, timeout_ms: int = 8000, max_retry: int = 2, store: KVStore | None = None,
+                te: MooncakeTransferEngine | None = None) -> TransferBackend:
+    """The sending half for one decode endpoint (its KV port, or its store server for 'store')."""
+    kind = check_transport(transport)
+    if kind == "tcp":
+        return KVSender(endpoint, tls=tls, connections=connections, timeout_ms=timeout_ms, max_retry=max_retry)
+    if kind == "mooncake_te":
+        return TESender(endpoint, _te_without_tls(te, tls), timeout_ms=timeout_ms, max_retry=max_retry)
+    if store is not None:
+        return StorePushSender(store, timeout_ms=timeout_ms, max_retry=max_retry)
+    remote = RemoteStore(endpoint, tls=tls, timeout_s=timeout_ms / 1000, pool_size=max(4, connections))
+    return StorePushSender(remote, timeout_ms=timeout_ms, max_retry=max_retry, owns_store=True)
+
+
+def make_receiver(transport: str, *, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None,
+                  timeout_ms: int = 8000, store: KVStore | None = None,
+                  te: MooncakeTransferEngine | None = None) -> ReceiveBackend:
+    """The receiving half on decode's KV port (host, port); call `await receiver.start()` next."""
+    kind = check_transport(transport)
+    if kind == "tcp":
+        return KVReceiver(host, port, tls=tls, timeout_ms=timeout_ms)
+    if kind == "mooncake_te":
+        return TEReceiver(_te_without_tls(te, tls), host, port, timeout_ms=timeout_ms)
+    if store is None:
+        raise ValueError("transport 'store' needs the store decode pulls from (an EmbeddedStore or a MooncakeStore)")
+    server = StoreServer(store, host, port, tls=tls) if isinstance(store, EmbeddedStore) else None
+    return StorePullReceiver(store, timeout_ms=timeout_ms, server=server)
+
+
+def make_te_engine(hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
+                   protocol: str = "tcp") -> MooncakeTransferEngine:
+    """One Mooncake Transfer Engine for this process (share it between sender and receiver).
+
+    Raises MooncakeUnavailableError saying what to install when the Mooncake wheel or libibverbs
+    is missing, and MooncakeTEError when the engine does not start.
+    """
+    try:
+        from crossfill.kv.mooncake_te import MooncakeTransferEngine, MooncakeUnavailableError
+    except ImportError as exc:  # numpy or the wrapper itself: say so in the same terms
+        raise RuntimeError(f"the Mooncake TE wrapper cannot be imported: {exc}") from exc
+    try:
+        return MooncakeTransferEngine(hostname, metadata_server, protocol)
+    except OSError as exc:  # the wheel imports but its shared libraries (libibverbs) do not load
+        raise MooncakeUnavailableError(f"Mooncake Transfer Engine cannot load ({exc}): install the OS package "
+                                       "libibverbs1 (needed even for the TCP transport)") from exc
+
+
+__all__ = ["TRANSPORTS", "Transport", "check_transport", "make_receiver", "make_sender", "make_te_engine"]
