@@ -40,6 +40,7 @@ from crossfill.engine.attention import ScheduledChunk, StepAttention
 from crossfill.engine.engine import EngineConfig, LLMEngine
 from crossfill.engine.sampling import SamplingParams
 from crossfill.engine.types import LayerKVChunk
+from crossfill.kv.assembler import Expectation
 from crossfill.kv.codecs import parse_codec
 from crossfill.kv.tcp import KVReceiver, KVSender
 from crossfill.kv.wire import Manifest, token_digest
@@ -76,8 +77,8 @@ async def transfer(engine: LLMEngine, ids: list[int], chunks: list[LayerKVChunk]
     manifest = Manifest.build(cache_id=cache_id, request_id=cache_id, tenant="bench", fingerprint=engine.fingerprint,
                               token_ids=ids, layer_specs=engine.layer_specs, codec=codec, prune_windows=True)
     async with KVReceiver() as rx:
-        rx.expect(cache_id, received.append, fingerprint=engine.fingerprint, token_digest=token_digest(ids),
-                  tenant="bench", timeout_ms=60_000)
+        rx.expect(Expectation(cache_id, received.append, fingerprint=engine.fingerprint,
+                              token_digest=token_digest(ids), tenant="bench", timeout_s=60.0))
         waiting = asyncio.create_task(rx.wait(cache_id))
         async with KVSender(("127.0.0.1", rx.port), connections=1, timeout_ms=60_000).open(manifest) as tx:
             for chunk in chunks:
@@ -105,7 +106,8 @@ def score(engine: LLMEngine, rid: str, forced: list[int]) -> torch.Tensor:
     n = seq.num_computed
     seq.tokens[n:] = forced
     chunk = ScheduledChunk(seq, n, len(forced))
-    engine._allocate(chunk)  # the blocks were promised at import (prompt + max_tokens)
+    if engine.kv.append_slots(seq, n + len(forced)) is None:
+        raise RuntimeError(f"no free KV blocks to score {len(forced)} tokens: raise kv_memory_mb")
     with torch.inference_mode():
         hidden = engine.model(torch.tensor(forced), torch.arange(n, n + len(forced)),
                               StepAttention(engine.cache, [], [chunk]))

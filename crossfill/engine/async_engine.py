@@ -91,9 +91,17 @@ class AsyncEngine:
             yield out
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        export_from: int = 0,
     ) -> AsyncIterator[LayerKVChunk | PrefillOutput]:
-        """Prefill-only: yields each layer's KV as it is computed, then the PrefillOutput."""
+        """Prefill-only: yields each layer's KV as it is computed, then the PrefillOutput.
+
+        Only tokens from `export_from` on are exported (the decode side holds the ones before).
+        """
         stream = self._open_stream(request_id)
         loop = asyncio.get_running_loop()
 
@@ -103,7 +111,8 @@ class AsyncEngine:
         try:
             await self._call(
                 lambda: self.engine.add_request(
-                    request_id, prompt_token_ids, params, namespace=namespace, prefill_only=True, kv_sink=sink
+                    request_id, prompt_token_ids, params, namespace=namespace, prefill_only=True, kv_sink=sink,
+                    export_from=export_from,
                 )
             )
         except BaseException:
@@ -119,13 +128,24 @@ class AsyncEngine:
                                    + (f" ({item.error})" if item.error else ""))
 
     async def import_kv(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        reuse_prefix: bool = False,
     ) -> KVImportHandle:
-        """Decode-only admission with blocks pre-allocated; raises NoKVCapacityError when full."""
-        await self._call(
-            lambda: self.engine.import_request(request_id, prompt_token_ids, params, namespace=namespace)
+        """Decode-only admission with the prompt's blocks allocated; raises NoKVCapacityError when full.
+
+        With `reuse_prefix`, the prefix already cached in `namespace` is kept and
+        `handle.cached_tokens` says how many leading tokens need not be sent.
+        """
+        seq = await self._call(
+            lambda: self.engine.import_request(
+                request_id, prompt_token_ids, params, namespace=namespace, reuse_prefix=reuse_prefix
+            )
         )
-        return KVImportHandle(self, request_id)
+        return KVImportHandle(self, request_id, cached_tokens=seq.num_cached_tokens)
 
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.abort(request_id))
@@ -239,9 +259,10 @@ class KVImportHandle:
     write or at `decode`, before any token is produced from incomplete KV.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, *, cached_tokens: int = 0) -> None:
         self._engine = engine
         self.request_id = request_id
+        self.cached_tokens = cached_tokens  # leading prompt tokens decode already held (not needed)
         self._writes: list[asyncio.Future] = []
 
     async def write(self, chunk: LayerKVChunk) -> None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from crossfill.engine.block_pool import NULL_BLOCK
 from crossfill.engine.kv_cache import LayerGroup, PagedKVCache
 from crossfill.engine.sequence import Sequence
 from crossfill.engine.types import LayerKVChunk
@@ -147,7 +146,7 @@ class StepAttention:
         bs = self.cache.block_size
         for c in self.exports:
             seq = c.seq
-            first = export_start(group, seq.prompt_len)
+            first = max(export_start(group, seq.prompt_len), seq.export_from)
             if c.start > first and c.start == seq.num_cached_tokens and seq.num_cached_tokens:
                 # KV of prefix-cache hits was never computed here: hand it out from the cache.
                 pos = torch.arange(first, c.start)
@@ -158,14 +157,3 @@ class StepAttention:
                 a, b = c.offset + lo - c.start, c.offset + c.num_tokens
                 seq.sink(LayerKVChunk(layer, lo, k[a:b].clone(), v[a:b].clone()))
 
-
-def release_out_of_window(group: LayerGroup, seq: Sequence, block_size: int) -> None:
-    """Drop a sliding group's references to blocks no future query of `seq` can see."""
-    if group.kind != "sliding" or group.window is None:
-        return
-    table = seq.tables[group.index]
-    first_needed = max(0, seq.num_computed - group.window + 1)
-    for i in range(min(first_needed // block_size, len(table))):
-        if table[i] != NULL_BLOCK:
-            group.pool.release(table[i])
-            table[i] = NULL_BLOCK

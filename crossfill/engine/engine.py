@@ -5,9 +5,9 @@ layer's KV as it is computed, plus the first token) and decode-only (admit a req
 arrives from elsewhere, then decode). The engine is single-threaded; `AsyncEngine` drives it
 from one thread and marshals calls onto it.
 
-Admission control promises each request the most blocks it can ever hold at once, so a step
-never runs out of KV memory: requests wait in the queue (or are refused when they could never
-fit) instead of failing mid-generation.
+A step reads schedule -> run -> postprocess: the `Scheduler` decides the chunks (admitting,
+allocating KV blocks on demand and preempting under memory pressure), the model runs them over
+the paged cache, and sampled tokens are appended. Block tables belong to the `KVCacheManager`.
 """
 
 from __future__ import annotations
@@ -17,25 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from crossfill.engine.attention import (
-    ScheduledChunk,
-    StepAttention,
-    export_start,
-    release_out_of_window,
-    slot_indices,
-)
-from crossfill.engine.block_pool import NULL_BLOCK, chain_hash
+from crossfill.engine.attention import ScheduledChunk, StepAttention, export_start
 from crossfill.engine.detokenizer import IncrementalDetokenizer
 from crossfill.engine.kv_cache import PagedKVCache
+from crossfill.engine.kv_cache_manager import KVCacheManager
 from crossfill.engine.model_loader import load_model
 from crossfill.engine.sampler import sample_batch
 from crossfill.engine.sampling import SamplingParams
+from crossfill.engine.scheduler import Scheduler, SchedulerOutput
 from crossfill.engine.sequence import Mode, Sequence, Status
 from crossfill.engine.types import (
     KVStats,
     LayerKVChunk,
     LayerSpec,
-    NoKVCapacityError,
     PrefillOutput,
     RequestOutput,
 )
@@ -96,9 +90,14 @@ class LLMEngine:
             max_num_seqs=self.cfg.max_num_seqs,
             max_chunk_tokens=self.cfg.max_num_batched_tokens,
         )
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.importing: dict[str, Sequence] = {}
+        self.kv = KVCacheManager(
+            self.cache,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
+            max_chunk_tokens=self.cfg.max_num_batched_tokens,
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=self.cfg.max_num_seqs, max_num_batched_tokens=self.cfg.max_num_batched_tokens
+        )
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, commits)
 
@@ -118,6 +117,18 @@ class LLMEngine:
             engine_config=engine_config,
         )
 
+    @property
+    def waiting(self) -> list[Sequence]:
+        return list(self.scheduler.waiting)
+
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self.scheduler.running)
+
+    @property
+    def importing(self) -> dict[str, Sequence]:
+        return dict(self.scheduler.importing)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
@@ -132,50 +143,51 @@ class LLMEngine:
         namespace: str = "",
         prefill_only: bool = False,
         kv_sink: Callable[[LayerKVChunk], None] | None = None,
+        export_from: int = 0,
     ) -> None:
-        """Queue a request; prefill-only requests hand out KV through `kv_sink` per layer."""
+        """Queue a request; prefill-only requests hand out KV through `kv_sink` per layer.
+
+        `export_from`: prefill-only requests export each layer's tokens from
+        max(export_start(group), export_from) — the decode side holds the rest.
+        """
         mode = Mode.PREFILL_ONLY if prefill_only else Mode.COLOCATED
         seq = self._new_sequence(request_id, self.encode(prompt), params, namespace, mode)
+        if not isinstance(export_from, int) or not 0 <= export_from < seq.prompt_len:
+            raise ValueError(f"export_from={export_from!r} is invalid: must be in [0, {seq.prompt_len})")
         seq.sink = kv_sink
+        seq.export_from = export_from
         self.requests[request_id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def import_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, namespace: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        namespace: str = "",
+        reuse_prefix: bool = False,
     ) -> Sequence:
-        """Decode-only admission: promise and allocate the request's blocks before any KV arrives.
+        """Decode-only admission: allocate the prompt's blocks before any KV arrives.
 
-        Raises NoKVCapacityError when the blocks are not free now (try later or another instance).
+        With `reuse_prefix`, leading full blocks already cached in `namespace` are taken instead
+        (`seq.num_cached_tokens`); KV written below them is dropped. Raises NoKVCapacityError
+        when the blocks are not free now (try later or another instance).
         """
         seq = self._new_sequence(request_id, list(prompt_token_ids), params, namespace, Mode.DECODE_ONLY)
-        if len(self.running) + len(self.importing) >= self.cfg.max_num_seqs:
-            raise NoKVCapacityError(f"decode engine is at max_num_seqs={self.cfg.max_num_seqs}")
-        if not self._reserve(seq, prefix_hits=False):
-            raise NoKVCapacityError(
-                f"not enough free KV blocks for {len(seq.tokens)} prompt + {params.max_tokens} new tokens now"
-            )
-        n = seq.prompt_len
-        for group in self.cache.groups:
-            first = export_start(group, n) // self.cfg.block_size
-            last = (n - 1) // self.cfg.block_size
-            table = seq.tables[group.index]
-            table.extend([NULL_BLOCK] * first)
-            table.extend(group.pool.allocate() for _ in range(first, last + 1))
-        seq.written = torch.zeros(len(self.layer_specs), n, dtype=torch.bool)
-        seq.status = Status.IMPORTING
+        self.scheduler.add_import(seq, reuse_prefix=reuse_prefix)
+        seq.written = torch.zeros(len(self.layer_specs), seq.prompt_len, dtype=torch.bool)
         self.requests[request_id] = seq
-        self.importing[request_id] = seq
         return seq
 
     def write_kv(self, request_id: str, chunk: LayerKVChunk) -> None:
         """Store verified KV rows for an importing request; refuses anything out of place."""
-        seq = self.importing.get(request_id)
+        seq = self.scheduler.importing.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not importing KV (finished, aborted or unknown)")
         if not 0 <= chunk.layer < len(self.layer_specs):
             raise ValueError(f"KV chunk for layer {chunk.layer}: the model has {len(self.layer_specs)} layers")
         spec = self.layer_specs[chunk.layer]
-        group = self.cache.layer_group[chunk.layer]
         expected = (spec.num_kv_heads, spec.head_dim)
         for name, t in (("k", chunk.k), ("v", chunk.v)):
             if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.shape[0] != chunk.num_tokens:
@@ -183,37 +195,34 @@ class LLMEngine:
                     f"KV chunk {name} for layer {chunk.layer} has shape {tuple(t.shape)}, "
                     f"expected [tokens, {expected[0]}, {expected[1]}]"
                 )
-        first = export_start(group, seq.prompt_len)
+        first = export_start(self.cache.layer_group[chunk.layer], seq.prompt_len)
         if chunk.start < first or chunk.end > seq.prompt_len or chunk.num_tokens == 0:
             raise ValueError(
                 f"KV chunk for layer {chunk.layer} covers tokens [{chunk.start}, {chunk.end}), "
                 f"outside the expected [{first}, {seq.prompt_len})"
             )
-        slots = slot_indices(seq.tables[group.index], torch.arange(chunk.start, chunk.end), self.cfg.block_size)
-        row = group.local_index[chunk.layer]
-        group.k[row].index_copy_(0, slots, chunk.k.to(self.cfg.dtype))
-        group.v[row].index_copy_(0, slots, chunk.v.to(self.cfg.dtype))
-        seq.written[chunk.layer, chunk.start : chunk.end] = True
+        lo = max(chunk.start, seq.num_cached_tokens)  # rows of the held prefix stay as cached
+        if lo >= chunk.end:
+            return
+        cut = lo - chunk.start
+        self.kv.write(seq, chunk.layer, lo, chunk.k[cut:], chunk.v[cut:])
+        seq.written[chunk.layer, lo : chunk.end] = True
 
     def commit_import(self, request_id: str, first_token_id: int) -> None:
         """All KV is in: the request joins the decode batch, starting from prefill's first token."""
-        seq = self.importing.get(request_id)
+        seq = self.scheduler.importing.get(request_id)
         if seq is None:
             raise KeyError(f"request {request_id!r} is not importing KV (finished, aborted or unknown)")
         for spec in self.layer_specs:
-            first = export_start(self.cache.layer_group[spec.index], seq.prompt_len)
+            first = max(export_start(self.cache.layer_group[spec.index], seq.prompt_len), seq.num_cached_tokens)
             missing = (~seq.written[spec.index, first:]).nonzero()
             if missing.numel():
                 lo = first + int(missing[0])
                 raise ValueError(f"KV for layer {spec.index} is missing from token {lo}: cannot decode")
         if not 0 <= first_token_id < self.vocab_size:
             raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
-        del self.importing[request_id]
         seq.written = None
-        seq.num_computed = seq.prompt_len
-        self._publish_blocks(seq)
-        seq.status = Status.RUNNING
-        self.running.append(seq)
+        self.scheduler.start_decoding(seq)
         self._append_token(seq, first_token_id, self._pending)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
@@ -230,47 +239,54 @@ class LLMEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self._pending)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
 
     def kv_stats(self) -> KVStats:
         return KVStats(
             self.cache.blocks_total,
             self.cache.blocks_used,
             self.cache.blocks_cached,
-            len(self.running) + len(self.waiting) + len(self.importing),
+            self.scheduler.num_active,
+            preemptions=self.scheduler.num_preemptions,
+            out_of_kv_finishes=self.scheduler.num_out_of_kv,
         )
 
     def prefix_cache_hit_rate(self) -> float:
-        queries = sum(g.pool.queries for g in self.cache.groups[:1])
-        return sum(g.pool.hits for g in self.cache.groups[:1]) / queries if queries else 0.0
+        return self.kv.hit_rate()
 
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        decodes, prefills = self._schedule()
-        if not decodes and not prefills:
-            return outputs
-        batch = decodes + prefills
+        plan = self.scheduler.schedule()
+        for seq in plan.out_of_kv:
+            self._finish_out_of_kv(seq, outputs)
+        batch = [*plan.decodes.values(), *plan.prefills.values()]
+        if batch:
+            logits, done = self._run(plan, batch)
+            self._postprocess(batch, done, logits, outputs)
+        return outputs
+
+    def _run(self, plan: SchedulerOutput, batch: list[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         offset = 0
         for chunk in batch:
             chunk.offset = offset
             offset += chunk.num_tokens
-            self._allocate(chunk)
-        input_ids = torch.tensor(
-            [t for c in batch for t in c.seq.tokens[c.start : c.end]], dtype=torch.long
-        )
+        input_ids = torch.tensor([t for c in batch for t in c.seq.tokens[c.start : c.end]], dtype=torch.long)
         positions = torch.cat([torch.arange(c.start, c.end) for c in batch])
-        backend = StepAttention(self.cache, decodes, prefills)
+        backend = StepAttention(self.cache, list(plan.decodes.values()), list(plan.prefills.values()))
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, backend)
             done = [c for c in batch if c.end == len(c.seq.tokens)]
             logits = self.model.compute_logits(hidden[[c.offset + c.num_tokens - 1 for c in done]])
+        return logits, done
+
+    def _postprocess(
+        self, batch: list[ScheduledChunk], done: list[ScheduledChunk], logits: torch.Tensor,
+        outputs: list[RequestOutput],
+    ) -> None:
         for chunk in batch:
-            seq = chunk.seq
-            seq.num_computed = chunk.end
-            self._publish_blocks(seq)
-            for group in self.cache.groups:
-                release_out_of_window(group, seq, self.cfg.block_size)
+            chunk.seq.num_computed = chunk.end
+            self.kv.after_compute(chunk.seq)
         tokens = sample_batch(logits, [c.seq.params for c in done], [c.end for c in done])
         for i, (chunk, token) in enumerate(zip(done, tokens, strict=True)):
             seq = chunk.seq
@@ -278,7 +294,6 @@ class LLMEngine:
                 self._finish_prefill(seq, token, logits[i], outputs)
             else:
                 self._append_token(seq, token, outputs)
-        return outputs
 
     # --- internals ----------------------------------------------------------------------------
     def _new_sequence(
@@ -299,124 +314,18 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens + max_tokens {new_tokens} exceeds the model's context of "
                 f"{self.max_model_len} tokens: shorten the prompt or lower max_tokens"
             )
+        short = self.kv.never_fits(len(ids))
+        if short is not None:
+            group, need = short
+            raise ValueError(
+                f"a {len(ids)}-token prompt needs {need} KV blocks in the {group.kind} layers but the engine "
+                f"has {group.pool.num_blocks}: raise kv_memory_mb or shorten the prompt"
+            )
         stop = [] if mode == Mode.PREFILL_ONLY else params.stop
         detok = IncrementalDetokenizer(self.tokenizer, ids, stop)
         seq = Sequence(request_id, ids, params, namespace, mode, detok, len(self.cache.groups))
-        self._check_fits_ever(seq)
-        if self.cfg.enable_prefix_caching:
-            self._hash_blocks(seq, len(ids))
+        self.kv.hash_blocks(seq, len(ids))
         return seq
-
-    def _need(self, seq: Sequence) -> list[int]:
-        total = seq.prompt_len + (0 if seq.mode == Mode.PREFILL_ONLY else seq.params.max_tokens)
-        return [
-            g.live_blocks_bound(total, self.cfg.block_size, self.cfg.max_num_batched_tokens)
-            for g in self.cache.groups
-        ]
-
-    def _check_fits_ever(self, seq: Sequence) -> None:
-        for group, need in zip(self.cache.groups, self._need(seq), strict=True):
-            if need > group.pool.num_blocks:
-                raise ValueError(
-                    f"request needs {need} KV blocks in the {group.kind} layers but the engine has "
-                    f"{group.pool.num_blocks}: raise kv_memory_mb or lower max_tokens / the prompt length"
-                )
-
-    def _reserve(self, seq: Sequence, prefix_hits: bool) -> bool:
-        need = self._need(seq)
-        for group, n in zip(self.cache.groups, need, strict=True):
-            if group.committed + n > group.pool.num_blocks:
-                return False
-        for group, n in zip(self.cache.groups, need, strict=True):
-            group.committed += n
-            seq.reserved[group.index] = n
-        if prefix_hits and self.cfg.enable_prefix_caching:
-            self._take_prefix_hits(seq)
-        return True
-
-    def _hash_blocks(self, seq: Sequence, upto: int) -> None:
-        bs = self.cfg.block_size
-        while (len(seq.hashes) + 1) * bs <= upto:
-            i = len(seq.hashes)
-            parent = seq.hashes[-1] if seq.hashes else b""
-            seq.hashes.append(chain_hash(parent, seq.namespace, seq.tokens[i * bs : (i + 1) * bs]))
-
-    def _take_prefix_hits(self, seq: Sequence) -> None:
-        bs = self.cfg.block_size
-        groups = self.cache.groups
-        first_pool = groups[0].pool
-        first_pool.queries += 1
-        best = 0
-        # Leave at least one prompt token to compute: its logits give the first output token.
-        for k in range(min(len(seq.hashes), (seq.prompt_len - 1) // bs), 0, -1):
-            if all(self._group_has_prefix(g, seq, k) for g in groups):
-                best = k
-                break
-        if not best:
-            return
-        first_pool.hits += 1
-        for group in groups:
-            lo = self._group_first_block(group, best)
-            table = seq.tables[group.index]
-            table.extend([NULL_BLOCK] * lo)
-            for i in range(lo, best):
-                block = group.pool.lookup(seq.hashes[i])
-                assert block is not None
-                table.append(block)
-            seq.registered[group.index] = best
-        seq.num_computed = seq.num_cached_tokens = best * bs
-
-    def _group_first_block(self, group, num_blocks: int) -> int:
-        if group.kind == "sliding" and group.window is not None:
-            return max(0, num_blocks * self.cfg.block_size - group.window + 1) // self.cfg.block_size
-        return 0
-
-    def _group_has_prefix(self, group, seq: Sequence, k: int) -> bool:
-        lo = self._group_first_block(group, k)
-        return all(group.pool.contains(seq.hashes[i]) for i in range(lo, k))
-
-    def _schedule(self) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
-        budget = self.cfg.max_num_batched_tokens
-        decodes = [ScheduledChunk(s, s.num_computed, 1) for s in self.running if not s.in_prefill]
-        budget -= len(decodes)
-        prefills = []
-        for seq in self.running:
-            if seq.in_prefill and budget > 0:
-                n = min(seq.prompt_len - seq.num_computed, budget)
-                prefills.append(ScheduledChunk(seq, seq.num_computed, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) + len(self.importing) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._reserve(seq, prefix_hits=True):
-                break  # FCFS: later requests wait behind the head of the queue
-            self.waiting.pop(0)
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            n = min(seq.prompt_len - seq.num_computed, budget)
-            prefills.append(ScheduledChunk(seq, seq.num_computed, n))
-            budget -= n
-        return decodes, prefills
-
-    def _allocate(self, chunk: ScheduledChunk) -> None:
-        bs = self.cfg.block_size
-        seq = chunk.seq
-        for group in self.cache.groups:
-            table = seq.tables[group.index]
-            while len(table) * bs < chunk.end:
-                table.append(group.pool.allocate())
-
-    def _publish_blocks(self, seq: Sequence) -> None:
-        """Make fully computed blocks findable by later requests with the same prefix."""
-        if not self.cfg.enable_prefix_caching:
-            return
-        full = seq.num_computed // self.cfg.block_size
-        self._hash_blocks(seq, full * self.cfg.block_size)
-        for group in self.cache.groups:
-            table = seq.tables[group.index]
-            for i in range(seq.registered[group.index], min(full, len(table))):
-                if table[i] != NULL_BLOCK:
-                    group.pool.register(table[i], seq.hashes[i])
-            seq.registered[group.index] = max(seq.registered[group.index], full)
 
     def _append_token(self, seq: Sequence, token: int, outputs: list[RequestOutput]) -> None:
         seq.tokens.append(token)
@@ -439,6 +348,12 @@ class LLMEngine:
             self._finish(seq, reason)
         outputs.append(self._output(seq, [token], text))
 
+    def _finish_out_of_kv(self, seq: Sequence, outputs: list[RequestOutput]) -> None:
+        """Alone and still no KV block to grow into: end as if max_tokens were reached."""
+        text = seq.detok.take(final=True)
+        self._finish(seq, "length")
+        outputs.append(self._output(seq, [], text))
+
     def _finish_prefill(self, seq: Sequence, token: int, logits: torch.Tensor, outputs) -> None:
         result = PrefillOutput(seq.request_id, list(seq.prompt_ids), token, logits.clone(), seq.num_cached_tokens)
         self._finish(seq, "prefill")
@@ -449,16 +364,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status == Status.FINISHED:
             return
-        for g, block in seq.live_blocks():
-            self.cache.groups[g].pool.release(block)
-        for group in self.cache.groups:
-            group.committed -= seq.reserved[group.index]
-            seq.reserved[group.index] = 0
-            seq.tables[group.index] = []
-        for collection in (self.running, self.waiting):
-            if seq in collection:
-                collection.remove(seq)
-        self.importing.pop(seq.request_id, None)
+        self.scheduler.finish(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self.requests.pop(seq.request_id, None)

@@ -25,7 +25,6 @@ class LayerGroup:
     pool: BlockPool
     k: torch.Tensor  # [len(layers), num_blocks * block_size, kv_heads, head_dim]
     v: torch.Tensor
-    committed: int = 0  # blocks promised to admitted requests (admission control)
     local_index: dict[int, int] = field(default_factory=dict)  # model layer -> row in k/v
 
     def live_blocks_bound(self, total_tokens: int, block_size: int, chunk: int) -> int:

@@ -16,7 +16,7 @@ from crossfill.engine.types import LayerKVChunk
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # queued for admission (blocks not yet promised)
+    WAITING = "waiting"  # queued for admission (holds no blocks)
     RUNNING = "running"  # prefilling or decoding
     IMPORTING = "importing"  # decode-only: blocks allocated, KV arriving from outside
     FINISHED = "finished"
@@ -28,7 +28,7 @@ class Mode(enum.Enum):
     DECODE_ONLY = "decode_only"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a sequence is one request's state
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -41,9 +41,11 @@ class Sequence:
     status: Status = Status.WAITING
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0  # leading tokens whose KV is in the cache
-    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache (first admission)
+    prefill_len: int = 0  # tokens to prefill: the prompt, or prompt + generated after a preemption
+    export_from: int = 0  # prefill-only: first token whose KV the decode side lacks
+    num_preemptions: int = 0
     tables: list[list[int]] = field(default_factory=list)  # block table per layer group
-    reserved: list[int] = field(default_factory=list)  # blocks promised per layer group
     registered: list[int] = field(default_factory=list)  # leading blocks published to the prefix cache
     hashes: list[bytes] = field(default_factory=list)  # chain hash of each full block of `tokens`
     written: torch.Tensor | None = None  # decode-only: [layers, prompt_len] bool, KV rows received
@@ -54,7 +56,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
         self.tables = [[] for _ in range(self.num_groups)]
-        self.reserved = [0] * self.num_groups
+        self.prefill_len = len(self.prompt_ids)
         self.registered = [0] * self.num_groups
 
     @property
@@ -71,7 +73,7 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < self.prompt_len
+        return self.num_computed < self.prefill_len
 
     def live_blocks(self) -> list[tuple[int, int]]:
         """(group, block) of every block this sequence references."""

@@ -88,6 +88,8 @@ class KVStats:
     blocks_used: int
     blocks_cached: int  # unreferenced blocks kept for prefix reuse (evictable)
     active_requests: int
+    preemptions: int = 0  # cumulative: running requests that gave their blocks back to be recomputed
+    out_of_kv_finishes: int = 0  # cumulative: requests ended with "length" because no block could ever be freed
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -95,6 +97,8 @@ class KVStats:
             "blocks_used": self.blocks_used,
             "blocks_cached": self.blocks_cached,
             "active_requests": self.active_requests,
+            "preemptions": self.preemptions,
+            "out_of_kv_finishes": self.out_of_kv_finishes,
         }
 
 

@@ -53,25 +53,6 @@ def test_prefix_cache_reuses_blocks_within_a_namespace_only(tiny_dir):
     assert tokens_of(first) == tokens_of(again) == tokens_of(other)
 
 
-def test_admission_waits_for_blocks_and_never_runs_out(tiny_llama_dir):
-    # ~ a few requests' worth of blocks: the rest must queue, then all complete correctly.
-    engine = make_engine(tiny_llama_dir, kv_memory_mb=1, block_size=16)
-    total_blocks = engine.cache.blocks_total
-    prompts = _prompts(engine, 8, seed=5)
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    peak_running = 0
-    outs: dict[str, list] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs.setdefault(out.request_id, []).append(out)
-        peak_running = max(peak_running, len(engine.running))
-        assert engine.cache.blocks_used <= total_blocks
-    assert peak_running < len(prompts), "the pool is too small to admit everything at once"
-    assert all(len(tokens_of(outs[str(i)])) == 200 for i in range(len(prompts)))
-
-
 def test_request_that_can_never_fit_is_refused_with_the_limit(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, kv_memory_mb=1, block_size=16)
     with pytest.raises(ValueError, match="kv_memory_mb"):
