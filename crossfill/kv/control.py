@@ -23,6 +23,7 @@ from typing import Self
 from crossfill.kv.assembler import Assembly, Expectation, TransferTable
 from crossfill.kv.backend import ReceiveBackend
 from crossfill.kv.errors import Reason, TransferError, WireError
+from crossfill.kv.listener import Listener, Listens
 from crossfill.kv.streamio import MessageStream
 from crossfill.kv.wire import (
     MAX_MANIFEST_BYTES,
@@ -60,7 +61,7 @@ class FramePath:
 InlineFrames = FramePath
 
 
-class ControlServer(ReceiveBackend):
+class ControlServer(Listens, ReceiveBackend):
     """Data-plane server on the decode side: verifies transfers and feeds their sinks.
 
     `frames` says how frame bytes arrive (default: inline, the TCP backend).  `timeout_ms` is the
@@ -72,44 +73,26 @@ class ControlServer(ReceiveBackend):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, frames: FramePath | None = None,
                  tls: ssl.SSLContext | None = None, timeout_ms: int = 8000, keep_finished: int = 1024) -> None:
         self.host = host
-        self._port = port
         self.tls = tls
+        self.listener = Listener(host, port, tls)
         self.frames = frames if frames is not None else InlineFrames()
         self.transfers = TransferTable(timeout_ms / 1000, keep_finished)
         self._counters = self.transfers.counters
-        self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> Self:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerStream(self), self.host, self._port, ssl=self.tls)
+        await self.listener.start_protocol(lambda: _ServerStream(self))
         return self
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for t in list(self._conns):
-                t.cancel()
-            await asyncio.gather(*self._conns, return_exceptions=True)
-            await self._server.wait_closed()
-            self._server = None
+        await self.listener.close()
         for a in self.transfers.active.values():
             a.fail(Reason.ABORTED, "receiver closed")
         self.frames.close()
 
     @property
-    def port(self) -> int:
-        assert self._server is not None, "call start() first"
-        return int(self._server.sockets[0].getsockname()[1])
-
-    @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def address(self) -> str:
-        return self.endpoint
+        return self.address
 
     # -- ReceiveBackend -------------------------------------------------------------------
     def expect(self, expectation: Expectation) -> None:
@@ -162,16 +145,13 @@ class ControlServer(ReceiveBackend):
 
     # -- one stream -----------------------------------------------------------------------
     async def _handle(self, stream: MessageStream) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns.add(task)
-        try:
-            await self._serve(stream)
-        except (ConnectionError, ssl.SSLError, OSError):
-            pass  # the sender reconnects and resends what we did not answer
-        finally:
-            self._conns.discard(task)
-            stream.close()
+        with self.listener.handling():
+            try:
+                await self._serve(stream)
+            except (ConnectionError, ssl.SSLError, OSError):
+                pass  # the sender reconnects and resends what we did not answer
+            finally:
+                stream.close()
 
     async def _serve(self, stream: MessageStream) -> None:
         bound: Assembly | None = None

@@ -186,33 +186,13 @@ class MooncakeTransferEngine:
         """The descriptor to hand to a peer so it can write into / read from `buffer`."""
         return BufferDescriptor(self.session_id, buffer.address, buffer.nbytes)
 
-    def write(
-        self,
-        src: RegisteredBuffer,
-        dest: BufferDescriptor,
-        nbytes: int | None = None,
-        src_offset: int = 0,
-        dest_offset: int = 0,
-    ) -> None:
+    def write(self, src: RegisteredBuffer, dest: BufferDescriptor, nbytes: int | None = None,
+              src_offset: int = 0, dest_offset: int = 0) -> None:
         """Copy `nbytes` (default: all of `src` from `src_offset`) into the peer's buffer; blocks."""
-        n = self._check_range("write", src, dest, nbytes, src_offset, dest_offset)
-        rc = self._engine.transfer_sync_write(
-            dest.session_id, src.address + src_offset, dest.address + dest_offset, n
-        )
-        if rc != 0:
-            raise MooncakeTEError(
-                f"Mooncake TE write of {n} bytes to {dest.session_id} failed with code {rc}: the peer "
-                "exited, is unreachable, or no longer has that buffer registered"
-            )
+        self._transfer_sync("write", src, dest, nbytes, src_offset, dest_offset)
 
-    def submit_write(
-        self,
-        src: RegisteredBuffer,
-        dest: BufferDescriptor,
-        nbytes: int | None = None,
-        src_offset: int = 0,
-        dest_offset: int = 0,
-    ) -> PendingWrite:
+    def submit_write(self, src: RegisteredBuffer, dest: BufferDescriptor, nbytes: int | None = None,
+                     src_offset: int = 0, dest_offset: int = 0) -> PendingWrite:
         """Start copying `nbytes` into the peer's buffer and return at once; poll the result.
 
         Same arguments as `write`. `src` must stay registered and unchanged in that range until
@@ -230,23 +210,21 @@ class MooncakeTransferEngine:
             )
         return PendingWrite(self._engine, batch_id, n, dest.session_id, src)
 
-    def read(
-        self,
-        dst: RegisteredBuffer,
-        src: BufferDescriptor,
-        nbytes: int | None = None,
-        dst_offset: int = 0,
-        src_offset: int = 0,
-    ) -> None:
+    def read(self, dst: RegisteredBuffer, src: BufferDescriptor, nbytes: int | None = None,
+             dst_offset: int = 0, src_offset: int = 0) -> None:
         """Copy `nbytes` from the peer's buffer into `dst`; blocks."""
-        n = self._check_range("read", dst, src, nbytes, dst_offset, src_offset)
-        rc = self._engine.transfer_sync_read(
-            src.session_id, dst.address + dst_offset, src.address + src_offset, n
-        )
+        self._transfer_sync("read", dst, src, nbytes, dst_offset, src_offset)
+
+    def _transfer_sync(self, op: str, local: RegisteredBuffer, peer: BufferDescriptor, nbytes: int | None,
+                       local_offset: int, peer_offset: int) -> None:
+        """A blocking write (local -> peer) or read (peer -> local) of `nbytes`."""
+        n = self._check_range(op, local, peer, nbytes, local_offset, peer_offset)
+        call = self._engine.transfer_sync_write if op == "write" else self._engine.transfer_sync_read
+        rc = call(peer.session_id, local.address + local_offset, peer.address + peer_offset, n)
         if rc != 0:
             raise MooncakeTEError(
-                f"Mooncake TE read of {n} bytes from {src.session_id} failed with code {rc}: the peer "
-                "exited, is unreachable, or no longer has that buffer registered"
+                f"Mooncake TE {op} of {n} bytes {'to' if op == 'write' else 'from'} {peer.session_id} failed "
+                f"with code {rc}: the peer exited, is unreachable, or no longer has that buffer registered"
             )
 
     def close(self) -> None:

@@ -64,16 +64,6 @@ def refused_frame_failure(retries: collections.Counter[int], seq: int, reason: R
     return None
 
 
-def reconnect_delay(failures: int) -> float:
-    """Backoff before reconnection number `failures` (1, 2, ...): 50 ms doubling, at most 1 s."""
-    return min(1.0, 0.05 * 2 ** (failures - 1))
-
-
-def check_limits(timeout_ms: float, max_retry: int) -> None:
-    if timeout_ms <= 0 or max_retry < 0:
-        raise ValueError(f"timeout_ms must be > 0 and max_retry >= 0, got {timeout_ms} and {max_retry}")
-
-
 def parse_endpoint(endpoint: str | tuple[str, int]) -> tuple[str, int]:
     """'host:port' or (host, port) -> (host, port), with a readable error for anything else."""
     if isinstance(endpoint, tuple):
@@ -105,6 +95,7 @@ class FrameSender(OutgoingTransfer):
         self.cutter = FrameCutter(manifest)
         self.frames: dict[int, Frame] = {}  # pinned until the commit is acknowledged
         self.checksums: dict[int, int] = {}
+        self.retries: collections.Counter[int] = collections.Counter()  # refusals per frame
         self.error: TransferError | None = None
         self.committed = False
         self.closed = False
@@ -140,6 +131,20 @@ class FrameSender(OutgoingTransfer):
         if self.error is None:
             self.error = TransferError(reason, text, self.m.cache_id)
         return self.error
+
+    def _resend_allowed(self, seq: int, reason: Reason, text: str, max_retry: int) -> bool:
+        """Count a refusal of frame `seq`: True to resend it, False when it failed the transfer."""
+        failure = refused_frame_failure(self.retries, seq, reason, text, max_retry)
+        if failure is not None:
+            self._fail(*failure)
+            return False
+        self.retransmits += 1
+        return True
+
+    @staticmethod
+    def reconnect_delay(failures: int) -> float:
+        """Backoff before reconnection number `failures` (1, 2, ...): 50 ms doubling, at most 1 s."""
+        return min(1.0, 0.05 * 2 ** (failures - 1))
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:
@@ -195,7 +200,17 @@ class FrameSender(OutgoingTransfer):
 
 
 class SenderBackend(TransferBackend):
-    """A TransferBackend whose transfers are FrameSenders: `open()` is the same for all of them."""
+    """A TransferBackend whose transfers are FrameSenders: `open()` is the same for all of them.
+
+    `timeout_ms` bounds each wait of a transfer; `max_retry` bounds its retries (per frame, per
+    object, reconnections in a row: the backend says which).
+    """
+
+    def __init__(self, timeout_ms: float, max_retry: int) -> None:
+        if timeout_ms <= 0 or max_retry < 0:
+            raise ValueError(f"timeout_ms must be > 0 and max_retry >= 0, got {timeout_ms} and {max_retry}")
+        self.timeout_s = timeout_ms / 1000
+        self.max_retry = max_retry
 
     @abc.abstractmethod
     def _transfer(self, manifest: Manifest) -> FrameSender:

@@ -29,7 +29,7 @@ from typing import Protocol, Self
 from crossfill.kv.assembler import Assembly, Expectation, TransferTable
 from crossfill.kv.backend import ReceiveBackend
 from crossfill.kv.errors import Reason, TransferError, WireError
-from crossfill.kv.sender import FrameSender, SenderBackend, check_limits
+from crossfill.kv.sender import FrameSender, SenderBackend
 from crossfill.kv.store.base import DEFAULT_TENANT, KVStore, StoreError, Watch, WatchableKVStore
 from crossfill.kv.wire import (
     Frame,
@@ -87,11 +87,9 @@ class StorePushSender(SenderBackend):
 
     def __init__(self, store: KVStore, *, timeout_ms: int = 8000, max_retry: int = 2, parallel_puts: int = 4,
                  owns_store: bool = False) -> None:
-        check_limits(timeout_ms, max_retry)
+        super().__init__(timeout_ms, max_retry)
         self.store = store
         self.owns_store = owns_store  # close() closes the store (e.g. a RemoteStore made for this sender)
-        self.timeout_s = timeout_ms / 1000
-        self.max_retry = max_retry
         self.parallel_puts = max(1, parallel_puts)
 
     def _transfer(self, manifest: Manifest) -> FrameSender:

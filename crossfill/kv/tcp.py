@@ -36,16 +36,7 @@ from dataclasses import dataclass, field
 
 from crossfill.kv.control import ControlServer
 from crossfill.kv.errors import Reason, TransferError, WireError
-from crossfill.kv.sender import (
-    RETRY_MANIFEST,
-    FrameSender,
-    Retry,
-    SenderBackend,
-    check_limits,
-    parse_endpoint,
-    reconnect_delay,
-    refused_frame_failure,
-)
+from crossfill.kv.sender import RETRY_MANIFEST, FrameSender, Retry, SenderBackend, parse_endpoint
 from crossfill.kv.wire import (
     Frame,
     Manifest,
@@ -85,15 +76,13 @@ class KVSender(SenderBackend):
     def __init__(self, endpoint: str | tuple[str, int], *, tls: ssl.SSLContext | None = None,
                  server_hostname: str | None = None, connections: int = 4, timeout_ms: int = 8000,
                  max_retry: int = 2, max_inflight_bytes: int = 32 << 20, stripe_min_rtt_ms: float = 5.0) -> None:
+        super().__init__(timeout_ms, max_retry)
         self.host, self.port = parse_endpoint(endpoint)
         if connections < 1:
             raise ValueError(f"connections must be >= 1, got {connections}")
-        check_limits(timeout_ms, max_retry)
         self.tls = tls
         self.server_hostname = server_hostname if server_hostname is not None else (self.host if tls else None)
         self.connections = connections
-        self.timeout_s = timeout_ms / 1000
-        self.max_retry = max_retry
         self.max_inflight_bytes = max_inflight_bytes
         if stripe_min_rtt_ms < 0:
             raise ValueError(f"stripe_min_rtt_ms must be >= 0, got {stripe_min_rtt_ms}")
@@ -138,7 +127,6 @@ class _TcpTransfer(FrameSender):
         self.s = sender
         self.queue: collections.deque[int] = collections.deque()
         self.acked: set[int] = set()
-        self.retries: collections.Counter[int] = collections.Counter()
         self.inflight = 0
         self.cond = asyncio.Condition()
         self.conns = [_Conn(i) for i in range(max(1, min(sender.connections, manifest.frame_count)))]
@@ -308,7 +296,7 @@ class _TcpTransfer(FrameSender):
                 await self._notify()
                 return
             self.reconnects += 1
-            await asyncio.sleep(reconnect_delay(c.failures))
+            await asyncio.sleep(self.reconnect_delay(c.failures))
 
     def _drop_stream(self, c: _Conn) -> None:
         """Queue the stream's unanswered frames again, at the front: they are the oldest."""
@@ -398,12 +386,8 @@ class _TcpTransfer(FrameSender):
         if reason is Reason.OK:
             self.acked.add(seq)
             return
-        failure = refused_frame_failure(self.retries, seq, reason, text, self.s.max_retry)
-        if failure is not None:
-            self._fail(*failure)
-            return
-        self.retransmits += 1
-        self.queue.appendleft(seq)
+        if self._resend_allowed(seq, reason, text, self.s.max_retry):
+            self.queue.appendleft(seq)
 
     async def _watchdog(self) -> None:
         """Abort a stream that has had answers owed for timeout_ms without any arriving."""

@@ -63,16 +63,7 @@ from crossfill.kv.mooncake_te import (
     PendingWrite,
     RegisteredBuffer,
 )
-from crossfill.kv.sender import (
-    RETRY_MANIFEST,
-    FrameSender,
-    Retry,
-    SenderBackend,
-    check_limits,
-    parse_endpoint,
-    reconnect_delay,
-    refused_frame_failure,
-)
+from crossfill.kv.sender import RETRY_MANIFEST, FrameSender, Retry, SenderBackend, parse_endpoint
 from crossfill.kv.wire import (
     Frame,
     Manifest,
@@ -197,11 +188,9 @@ class TESender(SenderBackend):
 
     def __init__(self, endpoint: str | tuple[str, int], engine: MooncakeTransferEngine, *,
                  timeout_ms: int = 8000, max_retry: int = 2) -> None:
-        check_limits(timeout_ms, max_retry)
+        super().__init__(timeout_ms, max_retry)
         self.host, self.port = parse_endpoint(endpoint)
         self.engine = engine
-        self.timeout_s = timeout_ms / 1000
-        self.max_retry = max_retry
 
     def _transfer(self, manifest: Manifest) -> FrameSender:
         return _TETransfer(self, manifest)
@@ -232,7 +221,6 @@ class _TETransfer(FrameSender):
     def __init__(self, sender: TESender, manifest: Manifest) -> None:
         super().__init__(manifest)
         self.s = sender
-        self.retries: collections.Counter[int] = collections.Counter()
         # Ring space is held from the oldest unanswered slot (ring[0]) up to `head`, wrapping.
         self.ring: collections.deque[_Slot] = collections.deque()
         self.head = 0
@@ -538,7 +526,7 @@ class _TETransfer(FrameSender):
                            f"{self.s.max_retry} retries)")
                 return
             self.reconnects += 1
-            await asyncio.sleep(reconnect_delay(self.failures))
+            await asyncio.sleep(self.reconnect_delay(self.failures))
 
     async def _handshake(self) -> asyncio.StreamReader:
         """Connect, send the manifest and take the receiver's region from its answer."""
@@ -648,12 +636,9 @@ class _TETransfer(FrameSender):
             while self.ring and self.ring[0].state == "done":
                 self.ring.popleft()
             return
-        failure = refused_frame_failure(self.retries, seq, reason, text, self.s.max_retry)
-        if failure is not None:
-            self._fail(*failure)
+        if not self._resend_allowed(seq, reason, text, self.s.max_retry):
             return
         # Write it again from staging (its ring space is still held) and reference it again.
-        self.retransmits += 1
         slot.state = "staged"
         self.to_write.appendleft(slot)
 

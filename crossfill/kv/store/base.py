@@ -17,12 +17,13 @@ I/O (disk, or Mooncake's C++ client), so asyncio callers wrap calls with `asynci
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -240,6 +241,22 @@ def check_key(key: str) -> str:
     if not key.isprintable():
         raise InvalidKeyError(f"invalid key {key!r}: it contains non-printable characters")
     return key
+
+
+def check_names(key: str, tenant: str) -> None:
+    """Validate the (key, tenant) of a store call."""
+    check_key(key)
+    check_tenant(tenant)
+
+
+@contextlib.contextmanager
+def guarded(lock: threading.Lock | threading.RLock, check_open: Callable[[], None], key: str,
+            tenant: str) -> Iterator[None]:
+    """The opening of a store's per-key call: validate the names, take the lock, refuse if closed."""
+    check_names(key, tenant)
+    with lock:
+        check_open()
+        yield
 
 
 def check_prefix(prefix: str) -> str:

@@ -50,10 +50,11 @@ from crossfill.kv.store.base import (
     StoreStats,
     Watch,
     WatchRegistry,
-    check_key,
+    check_names,
     check_prefix,
     check_tenant,
     check_ttl,
+    guarded,
 )
 
 MAGIC = b"CFKVSTORE1\n"
@@ -130,8 +131,7 @@ class EmbeddedStore:
     # ------------------------------------------------------------------ KVStore API
 
     def put(self, key: str, data: bytes, ttl_s: float | None = None, tenant: str = DEFAULT_TENANT) -> None:
-        check_key(key)
-        check_tenant(tenant)
+        check_names(key, tenant)
         check_ttl(ttl_s)
         payload = bytes(data)  # no copy for bytes; freezes bytearray/memoryview input
         size = len(payload)
@@ -161,10 +161,7 @@ class EmbeddedStore:
         self._watches.notify(tenant, key)  # after the lock: the value is visible to whoever wakes
 
     def get(self, key: str, tenant: str = DEFAULT_TENANT) -> bytes | None:
-        check_key(key)
-        check_tenant(tenant)
-        with self._lock:
-            self._check_open()
+        with guarded(self._lock, self._check_open, key, tenant):
             entry = self._live_entry(tenant, key)
             if entry is None:
                 self._counts["misses"] += 1
@@ -178,10 +175,7 @@ class EmbeddedStore:
             return data
 
     def delete(self, key: str, tenant: str = DEFAULT_TENANT) -> bool:
-        check_key(key)
-        check_tenant(tenant)
-        with self._lock:
-            self._check_open()
+        with guarded(self._lock, self._check_open, key, tenant):
             if self._live_entry(tenant, key) is None:
                 return False
             self._drop_locked((tenant, key))
@@ -189,10 +183,7 @@ class EmbeddedStore:
             return True
 
     def exists(self, key: str, tenant: str = DEFAULT_TENANT) -> bool:
-        check_key(key)
-        check_tenant(tenant)
-        with self._lock:
-            self._check_open()
+        with guarded(self._lock, self._check_open, key, tenant):
             return self._live_entry(tenant, key) is not None
 
     def watch(self, prefix: str, callback: KeyCallback, tenant: str = DEFAULT_TENANT) -> Watch:

@@ -42,9 +42,9 @@ from crossfill.kv.store.base import (
     StoreError,
     StoreStats,
     StoreUnavailableError,
-    check_key,
-    check_tenant,
+    check_names,
     check_ttl,
+    guarded,
 )
 
 _HEADER = struct.Struct(">4sB3xd")  # magic, version, pad, expires_at (unix seconds)
@@ -158,8 +158,7 @@ class MooncakeStore:
     # ------------------------------------------------------------------ KVStore API
 
     def put(self, key: str, data: bytes, ttl_s: float | None = None, tenant: str = DEFAULT_TENANT) -> None:
-        check_key(key)
-        check_tenant(tenant)
+        check_names(key, tenant)
         check_ttl(ttl_s)
         size = len(data)
         if size + _HEADER.size > self.local_buffer_bytes:
@@ -183,10 +182,7 @@ class MooncakeStore:
             self._counts["puts"] += 1
 
     def get(self, key: str, tenant: str = DEFAULT_TENANT) -> bytes | None:
-        check_key(key)
-        check_tenant(tenant)
-        with self._lock:
-            self._check_open()
+        with guarded(self._lock, self._check_open, key, tenant):
             raw = self._client.get(self._name(tenant, key))
             if not raw:  # Mooncake returns b"" for a missing object; ours are never empty
                 self._note_missing(tenant, key)
@@ -199,10 +195,7 @@ class MooncakeStore:
             return raw[_HEADER.size :]
 
     def delete(self, key: str, tenant: str = DEFAULT_TENANT) -> bool:
-        check_key(key)
-        check_tenant(tenant)
-        with self._lock:
-            self._check_open()
+        with guarded(self._lock, self._check_open, key, tenant):
             self._written.pop((tenant, key), None)
             removed = self._remove(tenant, key)
             if removed:
@@ -210,10 +203,7 @@ class MooncakeStore:
             return removed
 
     def exists(self, key: str, tenant: str = DEFAULT_TENANT) -> bool:
-        check_key(key)
-        check_tenant(tenant)
-        with self._lock:
-            self._check_open()
+        with guarded(self._lock, self._check_open, key, tenant):
             name = self._name(tenant, key)
             if self._scratch_ok:  # read only the header
                 (((rc,),),) = self._client.get_into_ranges(

@@ -39,21 +39,10 @@ import struct
 import threading
 from dataclasses import asdict
 
+from crossfill.kv.listener import Listener, Listens
 from crossfill.kv.sender import parse_endpoint
-from crossfill.kv.store.base import (
-    DEFAULT_TENANT,
-    MAX_KEY_CHARS,
-    InvalidArgumentError,
-    InvalidKeyError,
-    KVStore,
-    ObjectTooLargeError,
-    StoreError,
-    StoreStats,
-    StoreUnavailableError,
-    check_key,
-    check_tenant,
-    check_ttl,
-)
+from crossfill.kv.store import base
+from crossfill.kv.store.base import DEFAULT_TENANT, KVStore, StoreError, StoreStats, StoreUnavailableError
 
 MAGIC = b"CXST"
 VERSION = 1
@@ -63,10 +52,10 @@ PUT, GET, DELETE, EXISTS, STATS = 1, 2, 3, 4, 5
 OK, NONE, ERROR = 0, 1, 2
 DEFAULT_MAX_OBJECT_BYTES = 256 << 20
 _MAX_TENANT_BYTES = 64
-_MAX_KEY_BYTES = 4 * MAX_KEY_CHARS  # UTF-8
+_MAX_KEY_BYTES = 4 * base.MAX_KEY_CHARS  # UTF-8
 _MAX_ANSWER_TEXT = 64 << 10
 _ERRORS: dict[str, type[StoreError]] = {
-    cls.__name__: cls for cls in (InvalidKeyError, InvalidArgumentError, ObjectTooLargeError, StoreUnavailableError)
+    cls.__name__: cls for cls in (base.InvalidKeyError, base.InvalidArgumentError, base.ObjectTooLargeError, StoreUnavailableError)
 }
 
 
@@ -85,33 +74,22 @@ class _Refused(Exception):  # noqa: N818 - a request the server answers with ERR
 # server
 # =============================================================================================
 
-class StoreServer:
+class StoreServer(Listens):
     """Serves put/get/delete/exists/stats of a local `store` on (host, port), optionally over TLS."""
 
     def __init__(self, store: KVStore, host: str = "127.0.0.1", port: int = 0, *,
                  tls: ssl.SSLContext | None = None, max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES) -> None:
         self.store = store
-        self.host = host
-        self._port = port
-        self.tls = tls
+        self.listener = Listener(host, port, tls)
         self.max_object_bytes = max_object_bytes
-        self._server: asyncio.base_events.Server | None = None
-        self._conns: set[asyncio.Task[None]] = set()
         self._counters: collections.Counter[str] = collections.Counter()
 
     async def start(self) -> StoreServer:
-        self._server = await asyncio.start_server(self._serve, self.host, self._port, ssl=self.tls)
+        await self.listener.start_streams(self._serve)
         return self
 
     async def close(self) -> None:
-        if self._server is None:
-            return
-        self._server.close()
-        for t in list(self._conns):
-            t.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
-        await self._server.wait_closed()
-        self._server = None
+        await self.listener.close()
 
     async def __aenter__(self) -> StoreServer:
         return await self.start()
@@ -119,14 +97,6 @@ class StoreServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @property
-    def port(self) -> int:
-        assert self._server is not None, "call start() first"
-        return int(self._server.sockets[0].getsockname()[1])
-
-    @property
-    def address(self) -> str:
-        return _address(self.host, self.port)
 
     def counters(self) -> dict[str, int]:
         """requests, answers by status, refused_<malformed|oversized>, errors_<store error class>."""
@@ -134,32 +104,32 @@ class StoreServer:
 
     # -- one connection -------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._conns.add(task)
-        try:
-            while True:
-                try:
-                    head = await reader.readexactly(_REQ.size)
-                except asyncio.IncompleteReadError:
-                    return  # the client hung up between requests
-                try:
-                    status, body = await self._request(reader, head)
-                except _Refused as exc:
-                    self._counters[f"refused_{exc.kind}"] += 1
-                    status, body = ERROR, _error_body("InvalidArgumentError", str(exc))
-                    if exc.fatal:
-                        await _answer(writer, status, body)
-                        return
-                self._counters[f"answers_{('ok', 'none', 'error')[status]}"] += 1
-                await _answer(writer, status, body)
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError):
-            pass  # the client reconnects
-        except asyncio.CancelledError:
-            pass  # close(): end quietly (asyncio's stream callback reports a cancelled handler as an error)
-        finally:
-            self._conns.discard(task)
-            writer.close()
+        with self.listener.handling():
+            try:
+                await self._answer_requests(reader, writer)
+            except (ConnectionError, OSError, asyncio.IncompleteReadError, ssl.SSLError):
+                pass  # the client reconnects
+            except asyncio.CancelledError:
+                pass  # close(): end quietly (asyncio's stream callback reports a cancelled handler as an error)
+            finally:
+                writer.close()
+
+    async def _answer_requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readexactly(_REQ.size)
+            except asyncio.IncompleteReadError:
+                return  # the client hung up between requests
+            try:
+                status, body = await self._request(reader, head)
+            except _Refused as exc:
+                self._counters[f"refused_{exc.kind}"] += 1
+                await _answer(writer, ERROR, _error_body("base.InvalidArgumentError", str(exc)))
+                if exc.fatal:
+                    return
+                continue
+            self._counters[f"answers_{('ok', 'none', 'error')[status]}"] += 1
+            await _answer(writer, status, body)
 
     async def _request(self, reader: asyncio.StreamReader, head: bytes) -> tuple[int, bytes]:
         magic, version, op, tenant_len, key_len, ttl, data_len = _REQ.unpack(head)
@@ -201,7 +171,7 @@ class StoreServer:
             return (OK if s.exists(key, tenant) else NONE), b""
         if op == STATS:
             return OK, json.dumps(asdict(s.stats())).encode()
-        raise InvalidArgumentError(f"unknown store operation {op}")
+        raise base.InvalidArgumentError(f"unknown store operation {op}")
 
 
 async def _answer(writer: asyncio.StreamWriter, status: int, body: bytes) -> None:
@@ -243,9 +213,9 @@ class RemoteStore:
 
     # -- KVStore --------------------------------------------------------------------------
     def put(self, key: str, data: bytes, ttl_s: float | None = None, tenant: str = DEFAULT_TENANT) -> None:
-        check_ttl(ttl_s)
+        base.check_ttl(ttl_s)
         if len(data) > self.max_object_bytes:
-            raise ObjectTooLargeError(f"object of {len(data)} bytes exceeds the remote store's limit of "
+            raise base.ObjectTooLargeError(f"object of {len(data)} bytes exceeds the remote store's limit of "
                                       f"{self.max_object_bytes} per request")
         self._call(PUT, key, tenant, bytes(data), math.nan if ttl_s is None else float(ttl_s))
 
@@ -279,8 +249,8 @@ class RemoteStore:
     # -- requests -------------------------------------------------------------------------
     def _call(self, op: int, key: str, tenant: str, data: bytes = b"", ttl: float = math.nan) -> tuple[int, bytes]:
         if op != STATS:
-            check_key(key)
-        check_tenant(tenant)
+            base.check_key(key)
+        base.check_tenant(tenant)
         t, k = tenant.encode(), key.encode()
         request = [_REQ.pack(MAGIC, VERSION, op, len(t), len(k), ttl, len(data)), t, k]
         for attempt in range(2):
