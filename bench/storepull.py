@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from crossfill.engine.types import LayerKVChunk, LayerSpec
+from crossfill.kv.assembler import Expectation
 from crossfill.kv.store import DEFAULT_TENANT, EmbeddedStore, StoreUnavailableError
 from crossfill.kv.storepull import StorePullReceiver, StorePushSender
 from crossfill.kv.wire import Manifest
@@ -136,7 +137,7 @@ async def one_transfer(writer: Instrumented, reader: Instrumented, rx: StorePull
     specs, tokens, kv = workload
     m = manifest_for(cache_id, specs, tokens)
     gets0 = reader.gets
-    rx.expect(cache_id, lambda chunk: None, fingerprint=FINGERPRINT, tenant=TENANT)
+    rx.expect(Expectation(cache_id, lambda chunk: None, fingerprint=FINGERPRINT, tenant=TENANT))
     verified_at: list[float] = []
     # Private access, for the benchmark only: when the commit digest matched, before the clean-up.
     rx._pulls[cache_id].assembly.done.add_done_callback(lambda _: verified_at.append(time.monotonic()))

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from crossfill.engine.types import LayerKVChunk, LayerSpec
+from crossfill.kv.assembler import Expectation
 from crossfill.kv.tcp import KVReceiver, KVSender
 from crossfill.kv.tls import client_context, server_context, write_dev_pki
 from crossfill.kv.wire import Manifest
@@ -113,7 +114,7 @@ def _receiver_main(pipe, pki: dict[str, str], emu_bandwidth: str, emu_latency: s
                 break
             _, which, cache_id = cmd
             target = receivers[which]
-            target.expect(cache_id, lambda chunk: None, timeout_ms=30_000)
+            target.expect(Expectation(cache_id, lambda chunk: None, timeout_s=30.0))
             t = asyncio.create_task(target.wait(cache_id))
             waits.add(t)
             t.add_done_callback(waits.discard)

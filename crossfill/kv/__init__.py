@@ -1,13 +1,16 @@
 """KV transfer layer: wire format, codecs, verification and transfer backends.
 
-The names a worker needs:
+The names a worker needs (it never imports a backend class; `crossfill.kv.transports` builds one
+by transport name):
 
-    from crossfill.kv import KVReceiver, KVSender, Manifest, TransferError, token_digest
+    from crossfill.kv import Expectation, Manifest, TransferError, token_digest
+    from crossfill.kv.transports import make_receiver, make_sender
 
-Prefill side: `Manifest.build(...)`, then `async with KVSender(endpoint).open(manifest) as tx`,
+Prefill side: `Manifest.build(...)`, then `async with make_sender(...).open(manifest) as tx`,
 `await tx.send(chunk)` per layer, `stats = await tx.commit()`.
-Decode side: `receiver.expect(cache_id, sink, fingerprint=..., token_digest=..., tenant=...)`,
-then `await receiver.wait(cache_id)`; a TransferError means: discard what the sink received.
+Decode side: `rx = await make_receiver(...).start()`, `rx.expect(Expectation(cache_id, sink,
+fingerprint=..., token_digest=..., tenant=...))`, then `await rx.wait(cache_id)`; a TransferError
+means: discard what the sink received.
 """
 
 from crossfill.kv.assembler import Expectation, Sink
