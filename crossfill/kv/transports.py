@@ -10,6 +10,11 @@ endpoint; `make_receiver` on the decode side, on its KV port.
     store         StorePushSender -> `store`, or a          StorePullReceiver on `store`; an embedded
                   RemoteStore at endpoint when none given   store is also served on host:port
 
+What a worker process holds between transfers (the TE engine, the store or its cluster client) is
+made by `open_shared` from the config's words and passed to the factories as `shared=`
+(`close_shared` releases it); `check_available` says before start-up, naming what to install,
+when a transport cannot load here.
+
 So for the store transport with an embedded store, decode's KV port serves its store
 (StoreServer) and prefill pushes to it over the network; with Mooncake Store both sides pass
 their client of the cluster and nothing is served.  `tls` (crossfill.kv.tls contexts: client on
@@ -20,8 +25,9 @@ protect: TCP streams and the store server.  The TE backend's bytes travel outsid
 
 from __future__ import annotations
 
+import asyncio
 import ssl
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from crossfill.kv.backend import ReceiveBackend, TransferBackend
 from crossfill.kv.store.base import KVStore
@@ -36,6 +42,7 @@ if TYPE_CHECKING:
 
 Transport = Literal["tcp", "mooncake_te", "store"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
+STORES = ("embedded", "mooncake")
 
 
 def check_transport(transport: str) -> Transport:
@@ -54,11 +61,26 @@ def _te_without_tls(te: MooncakeTransferEngine | None, tls: ssl.SSLContext | Non
     return te
 
 
+def _split_shared(shared: Any, store: KVStore | None, te: MooncakeTransferEngine | None
+                  ) -> tuple[KVStore | None, MooncakeTransferEngine | None]:
+    """`shared` (what open_shared returned) is the TE engine or the store; explicit arguments win."""
+    if shared is None:
+        return store, te
+    if hasattr(shared, "submit_write"):  # a MooncakeTransferEngine
+        return store, te if te is not None else shared
+    return store if store is not None else shared, te
+
+
 def make_sender(transport: str, *, endpoint: tuple[str, int] | str, tls: ssl.SSLContext | None = None,
                 connections: int = 4, timeout_ms: int = 8000, max_retry: int = 2, store: KVStore | None = None,
-                te: MooncakeTransferEngine | None = None) -> TransferBackend:
-    """The sending half for one decode endpoint (its KV port, or its store server for 'store')."""
+                te: MooncakeTransferEngine | None = None, shared: Any = None) -> TransferBackend:
+    """The sending half for one decode endpoint (its KV port, or its store server for 'store').
+
+    `shared`: what `open_shared` returned for this process (the TE engine or the store), instead of
+    passing `te` / `store`.
+    """
     kind = check_transport(transport)
+    store, te = _split_shared(shared, store, te)
     if kind == "tcp":
         return KVSender(endpoint, tls=tls, connections=connections, timeout_ms=timeout_ms, max_retry=max_retry)
     if kind == "mooncake_te":
@@ -71,9 +93,10 @@ def make_sender(transport: str, *, endpoint: tuple[str, int] | str, tls: ssl.SSL
 
 def make_receiver(transport: str, *, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None,
                   timeout_ms: int = 8000, store: KVStore | None = None,
-                  te: MooncakeTransferEngine | None = None) -> ReceiveBackend:
+                  te: MooncakeTransferEngine | None = None, shared: Any = None) -> ReceiveBackend:
     """The receiving half on decode's KV port (host, port); call `await receiver.start()` next."""
     kind = check_transport(transport)
+    store, te = _split_shared(shared, store, te)
     if kind == "tcp":
         return KVReceiver(host, port, tls=tls, timeout_ms=timeout_ms)
     if kind == "mooncake_te":
@@ -102,4 +125,61 @@ def make_te_engine(hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDS
                                        "libibverbs1 (needed even for the TCP transport)") from exc
 
 
-__all__ = ["TRANSPORTS", "Transport", "check_transport", "make_receiver", "make_sender", "make_te_engine"]
+def check_available(transport: str, store: str | None = None) -> None:
+    """Raise (saying what to install) when `transport` (with `store`) cannot load in this process."""
+    kind = check_transport(transport)
+    if kind == "store" and store is not None and store not in STORES:
+        raise ValueError(f"unknown KV store {store!r}: use one of {', '.join(STORES)}")
+    if kind == "mooncake_te":
+        from crossfill.kv.mooncake_te import _import_engine
+
+        _import_engine()  # MooncakeUnavailableError names the wheel and libibverbs1
+    if kind == "store" and store == "mooncake":
+        try:
+            import mooncake.store  # noqa: F401
+        except ImportError as exc:
+            from crossfill.kv.store.base import StoreUnavailableError
+
+            raise StoreUnavailableError(f"Mooncake Store needs the optional 'mooncake' extra ({exc}): pip install "
+                                        "'crossfill[mooncake]' and the OS package libibverbs1") from exc
+
+
+async def open_shared(transport: str, *, store: str | None = None, mooncake_master: str | None = None,
+                      segment_mb: int = 1024, role: Literal["prefill", "decode"] = "decode",
+                      disk_dir: str | None = None, disk_mb: int = 4096, hostname: str = "127.0.0.1") -> Any:
+    """What a worker process holds for its transport between transfers; pass it as `shared=`.
+
+    tcp: nothing (None).  mooncake_te: one Mooncake Transfer Engine.  store + mooncake: a Mooncake
+    Store client of `mooncake_master`, giving `segment_mb` to the cluster.  store + embedded: on
+    decode, its EmbeddedStore (`segment_mb` of memory, a `disk_mb` disk tier under `disk_dir`),
+    which `make_receiver` serves on the KV port; on prefill nothing (it reaches decode's store
+    server).  Close it with `close_shared`.
+    """
+    kind = check_transport(transport)
+    if kind == "mooncake_te":
+        return await asyncio.to_thread(make_te_engine, hostname)
+    if kind == "tcp":
+        return None
+    if store == "mooncake":
+        if mooncake_master is None:
+            raise ValueError("store 'mooncake' needs mooncake_master (host:port)")
+        from crossfill.kv.store.mooncake import MooncakeStore
+
+        return await asyncio.to_thread(MooncakeStore, mooncake_master, local_hostname=hostname,
+                                       global_segment_bytes=segment_mb << 20)
+    if store not in (None, "embedded"):
+        raise ValueError(f"unknown KV store {store!r}: use one of {', '.join(STORES)}")
+    if role == "prefill":
+        return None
+    return EmbeddedStore(memory_capacity_bytes=segment_mb << 20, disk_dir=disk_dir,
+                         disk_capacity_bytes=(disk_mb << 20) if disk_dir else 0)
+
+
+async def close_shared(shared: Any) -> None:
+    """Release what `open_shared` returned (None is fine)."""
+    if shared is not None:
+        await asyncio.to_thread(shared.close)
+
+
+__all__ = ["STORES", "TRANSPORTS", "Transport", "check_available", "check_transport", "close_shared",
+           "make_receiver", "make_sender", "make_te_engine", "open_shared"]

@@ -13,7 +13,15 @@ from crossfill.kv.errors import Reason, TransferError
 from crossfill.kv.sender import parse_endpoint
 from crossfill.kv.store import EmbeddedStore
 from crossfill.kv.tls import client_context, server_context
-from crossfill.kv.transports import TRANSPORTS, make_receiver, make_sender, make_te_engine
+from crossfill.kv.transports import (
+    TRANSPORTS,
+    check_available,
+    close_shared,
+    make_receiver,
+    make_sender,
+    make_te_engine,
+    open_shared,
+)
 from crossfill.kv.wire import token_digest
 
 from .helpers import FINGERPRINT, Collector, assert_identical, build_manifest, hybrid_specs, make_kv
@@ -138,3 +146,34 @@ async def test_store_receiver_with_a_cluster_store_serves_nothing() -> None:
         assert rx.address == "mooncake://master:50051"
         assert rx.server is None  # type: ignore[attr-defined]
     store.close()
+
+
+async def test_shared_resources_from_the_config_words(tmp_path) -> None:
+    """open_shared makes what a worker holds (None, the decode's embedded store, a TE engine);
+    the factories take it as shared=; close_shared releases it."""
+    assert await open_shared("tcp") is None
+    assert await open_shared("store", store="embedded", role="prefill") is None
+    with pytest.raises(ValueError, match="use one of embedded, mooncake"):
+        check_available("store", "redis")
+    check_available("store", "embedded")
+    decode_store = await open_shared("store", store="embedded", role="decode", segment_mb=8,
+                                     disk_dir=str(tmp_path / "disk"), disk_mb=8)
+    assert isinstance(decode_store, EmbeddedStore)
+    async with make_receiver("store", shared=decode_store, timeout_ms=5000) as rx:
+        tx = make_sender("store", endpoint=parse_endpoint(rx.address), shared=None, timeout_ms=5000)
+        await _round_trip(rx, tx, "shared-store")
+        await tx.close()
+    await close_shared(decode_store)
+    await close_shared(None)
+
+
+@pytest.mark.mooncake
+async def test_shared_te_engine(te_engine) -> None:
+    check_available("mooncake_te")
+    engine = await open_shared("mooncake_te")
+    try:
+        async with make_receiver("mooncake_te", shared=engine, timeout_ms=5000) as rx:
+            tx = make_sender("mooncake_te", endpoint=parse_endpoint(rx.address), shared=engine, timeout_ms=5000)
+            await _round_trip(rx, tx, "shared-te")
+    finally:
+        await close_shared(engine)
