@@ -98,6 +98,8 @@ class KVCacheConfig(_Strict):
     mooncake_master: str | None = None  # "host:port" of mooncake_master (store: mooncake)
     start_mooncake_master: bool = False  # `crossfill up` runs mooncake_master at `mooncake_master`
     tls: KVTLSConfig | None = None  # mutual TLS on the data plane (tcp and the store's push path)
+    # Decode tells prefill which prompt prefix it already holds; prefill sends only the rest.
+    reuse_decode_prefix: bool = True
 
     @field_validator("codec")
     @classmethod

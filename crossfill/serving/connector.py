@@ -227,7 +227,7 @@ class DecodeConnector:
                       tenant: str) -> Reservation:
         """Import `prompt` into the engine, reusing the prefix it holds; NoKVCapacityError when full."""
         handle = await engine.import_kv(cache_id, prompt, params, namespace=import_namespace(self.cfg, tenant),
-                                        reuse_prefix=True)
+                                        reuse_prefix=self.cfg.inference_service.kv_cache.reuse_decode_prefix)
         cached = int(getattr(handle, "cached_tokens", 0))
         return Reservation(handle, cache_id, cached, token_digest(prompt[:cached]) if cached else None)
 
