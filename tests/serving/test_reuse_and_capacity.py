@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from pathlib import Path
 
 import httpx
@@ -37,11 +38,20 @@ def chat(c: Cluster, messages: list[dict], max_tokens: int | None) -> tuple[str,
     return resp.choices[0].message.content or "", resp.model_extra["crossfill"]
 
 
-def colocated(model: Path, messages: list[dict], max_tokens: int) -> str:
+def colocated(model: Path, messages: list[dict], max_tokens: int | None, context: int | None = None) -> str:
+    """The colocated engine's greedy answer; max_tokens None: up to `context`, as the gateway does."""
     tok = load_tokenizer(resolve_model(str(model), pull=False))
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
-    return LLM(str(model)).generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens))[0].text
+    if max_tokens is None:
+        assert context is not None
+        max_tokens = context - len(ids)
+    return _llm(str(model)).generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens))[0].text
+
+
+@functools.cache
+def _llm(model: str) -> LLM:
+    return LLM(model)
 
 
 def test_second_chat_turn_sends_only_the_new_blocks(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -92,26 +102,24 @@ def test_unverifiable_prefix_claim_sends_everything(tiny_llama_dir: Path, tmp_pa
 
 
 def test_concurrent_requests_without_max_tokens_all_succeed(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """16 requests that may each run to the context limit, on a decode budget of a few worst cases."""
+    """16 chats that may each run to the context limit, on a decode budget of a few worst cases."""
     context = 256
     # 1 MiB of KV: 1024 tokens of the tiny model, while 16 requests could grow to 16 x 256.
     with launch_cluster(str(tiny_llama_dir), tmp_path, model_overrides={"max_model_len": context},
-                        decode_kv_memory_mb=1, decode_pool={"max_concurrent_requests": 16}) as c:
-        prompts = [f"Request number {i}: tell me about datacenter {i}." for i in range(16)]
-        tok = load_tokenizer(resolve_model(str(tiny_llama_dir), pull=False))
-        llm = LLM(str(tiny_llama_dir))
-        want = [llm.generate([tok.encode(p)], SamplingParams(temperature=0, max_tokens=context - len(tok.encode(p))))[0]
-                .token_ids for p in prompts]
+                        decode_kv_memory_mb=1, decode_pool={"max_concurrent_requests": 16},
+                        prefill_pool={"max_queue_depth": 16}) as c:
+        chats = [[{"role": "user", "content": f"Request number {i}: tell me about datacenter {i}."}] for i in range(16)]
+        want = [colocated(tiny_llama_dir, m, None, context) for m in chats]
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
-        def one(prompt: str) -> httpx.Response:
-            body = {"prompt": prompt, "temperature": 0, "prefill_policy": "local_only"}  # no max_tokens
-            return httpx.post(c.url + "/v1/generate", json=body, timeout=300)
+        def one(messages: list[dict]) -> str:
+            resp = client.chat.completions.create(model="tiny", messages=messages, temperature=0,
+                                                  extra_body={"prefill_policy": "local_only"})  # no max_tokens
+            return resp.choices[0].message.content or ""
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            answers = list(pool.map(one, prompts))
-        assert [r.status_code for r in answers] == [200] * 16, [r.text for r in answers if r.status_code != 200]
-        for r, expected in zip(answers, want, strict=True):
-            assert r.json()["token_ids"] == expected
+            answers = list(pool.map(one, chats))
+        assert answers == want
         kv = c.kv("here-decode-0")
         assert kv["preemptions"] > 0, kv
         assert kv["blocks_used"] == 0
