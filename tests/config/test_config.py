@@ -170,3 +170,23 @@ def test_every_example_config_is_valid(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-m", "crossfill.cli", "config", "check", str(path)],
                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert out.returncode == 0, (path.name, out.stderr)
+
+
+def test_worker_with_an_unreachable_store_exits_naming_the_key(tmp_path: Path) -> None:
+    """A store that is not reachable at start stops the worker before it serves (and so `crossfill up`)."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    doc = seed_doc()
+    doc["inference_service"]["kv_cache"].update({"transport": "store", "store": "mooncake",
+                                                 "mooncake_master": f"127.0.0.1:{dead}"})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    name = next(i.name for i in parse_config(doc).instances() if i.role == "decode")
+    out = subprocess.run([sys.executable, "-m", "crossfill.cli", "serve", "decode", "--config", str(path),
+                          "--instance", name], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"inference_service.kv_cache.mooncake_master: nothing answers at 127.0.0.1:{dead}" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
