@@ -27,7 +27,7 @@ from crossfill.serving.connector import DecodeConnector
 from crossfill.serving.errors import APIError, parse_body
 from crossfill.serving.kv_fetch import KVFetcher
 from crossfill.serving.protocol import DecodeJob, Delta, Done, ErrorEvent, Routed, RouteInfo, Usage, ndjson
-from crossfill.serving.worker_common import WorkerBase, release_when_request_ends
+from crossfill.serving.worker_common import WorkerBase
 
 log = logging.getLogger("crossfill.decode")
 
@@ -36,9 +36,7 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
-        super().__init__(cfg, inst, engine)
-        self.capacity = cfg.inference_service.decode_pool.max_concurrent_requests
-        self.active = 0
+        super().__init__(cfg, inst, engine, capacity=cfg.inference_service.decode_pool.max_concurrent_requests)
         self.connector = DecodeConnector(cfg, inst)
         self.fetcher: KVFetcher | None = None
         self._background: set[asyncio.Task[Any]] = set()  # every task we start, so none is lost
@@ -46,8 +44,7 @@ class DecodeWorker(WorkerBase):
         self.instances = {i.name: i for i in cfg.instances()}
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "queue_depth": self.active, "capacity": self.capacity,
-                "transport": self.connector.transport, "transfers": self.connector.counters()}
+        return {**super().stats(), "transport": self.connector.transport, "transfers": self.connector.counters()}
 
     async def on_started(self) -> None:
         await self.connector.start()
@@ -190,19 +187,7 @@ def create_decode_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None =
     @app.post("/v1/decode", response_model=None)
     async def decode(request: Request) -> StreamingResponse | JSONResponse:
         job = await parse_body(request, DecodeJob)
-        worker.require_ready()
-        if worker.active >= worker.capacity:
-            worker.metrics.errors.labels("decode_full").inc()
-            raise APIError(429, f"decode instance {inst.name} is at max_concurrent_requests ({worker.capacity})",
-                           code="decode_full", retry_after=cfg.serving.retry_after_s)
-        worker.active += 1
-        worker.metrics.queue.set(worker.active)
-
-        def release() -> None:
-            worker.active -= 1
-            worker.metrics.queue.set(worker.active)
-
-        release_when_request_ends(release)
+        worker.admit("decode_full", f"decode instance {inst.name} is at max_concurrent_requests ({worker.capacity})")
         first: asyncio.Future[tuple[int, ErrorEvent | None]] = asyncio.get_running_loop().create_future()
         gen = worker.run(job, first)
         # Drive the stream until its first event, so errors before decoding get a real HTTP status;

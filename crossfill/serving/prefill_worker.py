@@ -32,7 +32,7 @@ from fastapi.responses import StreamingResponse
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
 from crossfill.serving.connector import PrefillConnector, build_manifest
-from crossfill.serving.errors import APIError, parse_body
+from crossfill.serving.errors import parse_body
 from crossfill.serving.protocol import (
     Accepted,
     Alive,
@@ -43,7 +43,7 @@ from crossfill.serving.protocol import (
     PrefillJob,
     ndjson,
 )
-from crossfill.serving.worker_common import WorkerBase, release_when_request_ends
+from crossfill.serving.worker_common import WorkerBase
 
 log = logging.getLogger("crossfill.prefill")
 HEARTBEAT_S = 0.25
@@ -53,14 +53,11 @@ class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
-        super().__init__(cfg, inst, engine)
-        self.capacity = cfg.inference_service.prefill_pool.max_queue_depth
-        self.pending = 0
+        super().__init__(cfg, inst, engine, capacity=cfg.inference_service.prefill_pool.max_queue_depth)
         self.connector = PrefillConnector(cfg)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "queue_depth": self.pending, "capacity": self.capacity,
-                "transport": self.connector.transport}
+        return {**super().stats(), "transport": self.connector.transport}
 
     async def on_started(self) -> None:
         await self.connector.start()
@@ -75,7 +72,7 @@ class PrefillWorker(WorkerBase):
         task = asyncio.create_task(self._prefill(job, arrived, events))
         finished = False
         try:
-            yield ndjson(Accepted(instance=self.inst.name, queue_depth=self.pending))
+            yield ndjson(Accepted(instance=self.inst.name, queue_depth=self.in_flight))
             while True:
                 try:
                     ev = await asyncio.wait_for(events.get(), HEARTBEAT_S)
@@ -167,19 +164,8 @@ def create_prefill_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None 
     @app.post("/v1/prefill")
     async def prefill(request: Request) -> StreamingResponse:
         job = await parse_body(request, PrefillJob)
-        worker.require_ready()
-        if worker.pending >= worker.capacity:
-            worker.metrics.errors.labels("prefill_queue_full").inc()
-            raise APIError(429, f"prefill instance {inst.name} queue is full (max_queue_depth {worker.capacity})",
-                           code="prefill_queue_full", retry_after=cfg.serving.retry_after_s)
-        worker.pending += 1
-        worker.metrics.queue.set(worker.pending)
-
-        def release() -> None:
-            worker.pending -= 1
-            worker.metrics.queue.set(worker.pending)
-
-        release_when_request_ends(release)
+        worker.admit("prefill_queue_full",
+                     f"prefill instance {inst.name} queue is full (max_queue_depth {worker.capacity})")
         return StreamingResponse(worker.run(job), media_type="application/x-ndjson")
 
     return app

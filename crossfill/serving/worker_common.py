@@ -38,10 +38,12 @@ def release_when_request_ends(release: Callable[[], None]) -> None:
 class WorkerBase:
     role = "worker"
 
-    def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
+    def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None, capacity: int = 1) -> None:
         self.cfg = cfg
         self.inst = inst
         self.engine = engine
+        self.capacity = capacity  # requests this instance holds at once (queued or running)
+        self.in_flight = 0
         self.readiness = Readiness(self.role, inst.name)
         self.metrics = ServingMetrics()
         self._owns_engine = engine is None
@@ -87,6 +89,25 @@ class WorkerBase:
             raise APIError(503, f"{self.role} instance {self.inst.name} is not ready: {self.readiness.reason}",
                            code="not_ready", retry_after=self.cfg.serving.retry_after_s)
 
+    def admit(self, code: str, refusal: str) -> None:
+        """Count the current HTTP request against `capacity` until its task ends, or refuse it now.
+
+        A refusal is a 429 with Retry-After (backpressure: the caller tries elsewhere or later),
+        never a wait in an unbounded queue.
+        """
+        self.require_ready()
+        if self.in_flight >= self.capacity:
+            self.metrics.errors.labels(code).inc()
+            raise APIError(429, refusal, code=code, retry_after=self.cfg.serving.retry_after_s)
+        self.in_flight += 1
+        self.metrics.queue.set(self.in_flight)
+
+        def release() -> None:
+            self.in_flight -= 1
+            self.metrics.queue.set(self.in_flight)
+
+        release_when_request_ends(release)
+
     def kv_stats(self) -> dict[str, int]:
         if self.engine is None:
             return {}
@@ -94,7 +115,8 @@ class WorkerBase:
 
     def stats(self) -> dict[str, Any]:
         return {"instance": self.inst.name, "role": self.role, "datacenter": self.inst.datacenter,
-                "ready": self.readiness.ready, "reason": self.readiness.reason, "kv": self.kv_stats()}
+                "ready": self.readiness.ready, "reason": self.readiness.reason, "kv": self.kv_stats(),
+                "queue_depth": self.in_flight, "capacity": self.capacity}
 
     def make_app(self, title: str) -> FastAPI:
         @contextlib.asynccontextmanager
