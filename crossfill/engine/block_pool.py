@@ -38,8 +38,6 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced blocks
-        self.hits = 0
-        self.queries = 0
 
     # --- accounting -------------------------------------------------------------------------
     @property

@@ -111,6 +111,10 @@ class KVCacheManager:
             return None
         return KVAllocation(tuple(self._extend(seq, g, end) for g in self.groups))
 
+    def reachable_end(self, seq: Sequence) -> int:
+        """Largest end position `append_slots` could cover for `seq` with the blocks free now."""
+        return min((len(seq.tables[g.index]) + g.pool.num_available) * self.block_size for g in self.groups)
+
     def free(self, seq: Sequence) -> None:
         for g, block in seq.live_blocks():
             self.groups[g].pool.release(block)

@@ -93,7 +93,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         for seq in [s for s in self.running if not s.in_prefill]:
-            if seq in self.running and self._secure(seq, seq.num_computed + 1, out):
+            if seq in self.running and self._secure(seq, seq.num_computed + 1, out) is not None:
                 out.decodes[seq.request_id] = ScheduledChunk(seq, seq.num_computed, 1)
         for seq in [s for s in self.running if s.in_prefill]:
             budget = self.max_num_batched_tokens - out.num_tokens
@@ -124,25 +124,31 @@ class Scheduler:
                 return
 
     def _schedule_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        n = min(seq.prefill_len - seq.num_computed, budget)
-        if not self._secure(seq, seq.num_computed + n, out):
+        end = self._secure(seq, seq.num_computed + min(seq.prefill_len - seq.num_computed, budget), out)
+        if end is None:
             return False
-        out.prefills[seq.request_id] = ScheduledChunk(seq, seq.num_computed, n)
+        out.prefills[seq.request_id] = ScheduledChunk(seq, seq.num_computed, end - seq.num_computed)
         return True
 
-    def _secure(self, seq: Sequence, end: int, out: SchedulerOutput) -> bool:
-        """Blocks for `seq` up to `end`, preempting others if needed; False if `seq` can't run now."""
+    def _secure(self, seq: Sequence, end: int, out: SchedulerOutput) -> int | None:
+        """Blocks for `seq` up to `end`, preempting others if needed; the end secured, or None.
+
+        A prefill chunk with no one left to preempt shrinks to the blocks that are free.
+        """
         while self.kv.append_slots(seq, end) is None:
             victim = self._victim()
             if victim is not None and victim is not seq:
                 self._preempt(victim, out)
                 continue
+            shrunk = min(end, self.kv.reachable_end(seq))
+            if shrunk > seq.num_computed and self.kv.append_slots(seq, shrunk) is not None:
+                return shrunk
             if all(s is seq for s in self.running) and not self.importing:
                 self._out_of_kv(seq, out)
             elif victim is seq:
                 self._preempt(seq, out)
-            return False  # a prefill-only request waits for blocks others hold
-        return True
+            return None  # a prefill-only request waits for blocks others hold
+        return end
 
     def _victim(self) -> Sequence | None:
         """The least protected running sequence: colocated before imported, youngest first."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from crossfill.engine.sampling import SamplingParams
 from crossfill.engine.sequence import Mode, Status
@@ -46,8 +47,8 @@ def _run_checking_victims(engine) -> dict[str, list]:
 def test_preemption_keeps_outputs_identical(tiny_dir):
     """Imported and colocated requests (greedy, seeded, stop string) on a pool far too small."""
     ref, tight, prefill = make_engine(tiny_dir, **ROOMY), make_engine(tiny_dir, **TIGHT), make_engine(tiny_dir)
-    n = 6
-    new = min(2 * _full_pool_tokens(tight) // n, 1900)  # the worst cases add up to > 2x the pool
+    n = 8
+    new = min(2 * _full_pool_tokens(tight) // n, 400)  # the worst cases add up to > 1.3x the pool
     prompts = _prompts(tight.vocab_size, n, seed=1)
     params = [
         SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
@@ -75,11 +76,11 @@ def test_preemption_keeps_outputs_identical(tiny_dir):
 def test_stop_string_survives_a_preemption(tiny_llama_dir):
     ref, tight = make_engine(tiny_llama_dir, **ROOMY), make_engine(tiny_llama_dir, **TIGHT)
     prompts = _prompts(tight.vocab_size, 4, seed=2)
-    long = SamplingParams(temperature=1.0, seed=3, max_tokens=700, ignore_eos=True)
+    long = SamplingParams(temperature=1.0, seed=3, max_tokens=400, ignore_eos=True)
     ref.add_request("s", prompts[0], long)
     text = "".join(d.new_text for d in run_all(ref)["s"])
     at = next(i for i in range(len(text) * 3 // 4, len(text) - 3) if text.index(text[i : i + 3]) == i)
-    stop = SamplingParams(temperature=1.0, seed=3, max_tokens=700, stop=[text[at : at + 3]], ignore_eos=True)
+    stop = SamplingParams(temperature=1.0, seed=3, max_tokens=400, stop=[text[at : at + 3]], ignore_eos=True)
     ref.add_request("s", prompts[0], stop)
     want = run_all(ref)["s"]
     for i, prompt in enumerate(prompts[1:]):
@@ -164,3 +165,31 @@ def test_prompt_that_could_never_fit_is_refused_at_once(tiny_llama_dir):
     with pytest.raises(NoKVCapacityError, match="32-token prompt"):
         engine.import_request("b", [6] * 32, SamplingParams(max_tokens=1))
     assert engine.requests["a"].status == Status.IMPORTING
+
+
+def test_prefill_only_requests_wait_for_blocks_and_are_never_preempted(tiny_dir):
+    tight, roomy = make_engine(tiny_dir, **TIGHT), make_engine(tiny_dir, **ROOMY)
+    pool = _full_pool_tokens(tight)
+    prompts = _prompts(tight.vocab_size, 6, seed=6, lo=pool // 4, hi=pool // 3)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    long = SamplingParams(temperature=0, max_tokens=min(pool // 2, 300), ignore_eos=True)
+    exported: dict[str, list] = {}
+    tight.add_request("colo", prompts[0][:40], long)
+    early = [out for _ in range(3) for out in tight.step()]  # decoding when the prefill-only ones arrive
+    for i, prompt in enumerate(prompts):
+        tight.add_request(f"p{i}", prompt, params, prefill_only=True,
+                          kv_sink=exported.setdefault(f"p{i}", []).append)
+    got = _run_checking_victims(tight)
+    assert tight.kv_stats().blocks_used == 0
+    roomy.add_request("colo", prompts[0][:40], long)
+    assert tokens_of(early + got["colo"]) == tokens_of(run_all(roomy)["colo"])
+    for i, prompt in enumerate(prompts):
+        want = prefill_remote(roomy, f"p{i}", prompt, params)[0]
+        assert got[f"p{i}"][-1].prefill is not None
+        for spec in tight.layer_specs:  # chunk boundaries differ with the batch; the KV does not
+            mine = [c for c in exported[f"p{i}"] if c.layer == spec.index]
+            ref = [c for c in want if c.layer == spec.index]
+            assert all(a.end == b.start for a, b in zip(mine, mine[1:], strict=False))
+            assert (mine[0].start, mine[-1].end) == (ref[0].start, ref[-1].end) == (mine[0].start, len(prompt))
+            torch.testing.assert_close(torch.cat([c.v for c in mine]), torch.cat([c.v for c in ref]),
+                                       atol=1e-4, rtol=1e-4)
