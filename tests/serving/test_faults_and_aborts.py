@@ -26,7 +26,10 @@ def test_wan_fault_changes_no_output_token(cluster, baseline: list[int], fault: 
     before = httpx.get(control + "/link", timeout=5).json()["counters"]
     arm(control, **fault)
     try:
-        r = generate(cluster.url, LONG, "remote_preferred", max_tokens=16, ignore_eos=True)
+        # A tenant of its own: decode holds none of this prompt's KV for it, so every byte crosses
+        # the faulty link (another tenant's earlier request would have left a reusable prefix).
+        r = generate(cluster.url, LONG, "remote_preferred", max_tokens=16, ignore_eos=True,
+                     tenant_id=f"fault-{next(iter(fault))}")
         after = httpx.get(control + "/link", timeout=5).json()["counters"]
     finally:
         disarm(control)

@@ -134,7 +134,7 @@ def test_example_config_serves_16_chats_without_max_tokens(tmp_path: Path) -> No
     # The example's decode budget (512 MB) and concurrency; short chats, as OpenAI clients send them.
     with launch_cluster("smollm2-135m", tmp_path, served_name="smollm2-135m", kv_memory_mb=256,
                         decode_kv_memory_mb=512, decode_pool={"max_concurrent_requests": 32},
-                        kv_cache={"timeout_ms": 20000}) as c:
+                        prefill_pool={"max_queue_depth": 16}, kv_cache={"timeout_ms": 20000}) as c:
         client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
         def one(i: int) -> str:
