@@ -217,6 +217,11 @@ class AsyncEngine:
                 outputs = self._fail_all(exc)
             for out in outputs:
                 self._deliver(out)
+            if not outputs and not engine.last_step_ran:
+                # Nothing could run: waiting requests need blocks that only a command (an abort,
+                # an import's commit or end) frees. Sleep until one comes instead of spinning.
+                self._wake.wait(0.05)
+                self._wake.clear()
 
     def _run_commands(self) -> None:
         while True:

@@ -100,6 +100,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, commits)
+        self.last_step_ran = False  # whether the last step() ran a forward pass (AsyncEngine idles if not)
 
     # --- public API -------------------------------------------------------------------------
     @classmethod
@@ -261,6 +262,7 @@ class LLMEngine:
         for seq in plan.out_of_kv:
             self._finish_out_of_kv(seq, outputs)
         batch = [*plan.decodes.values(), *plan.prefills.values()]
+        self.last_step_ran = bool(batch)
         if batch:
             logits, done = self._run(plan, batch)
             self._postprocess(batch, done, logits, outputs)
