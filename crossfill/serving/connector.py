@@ -131,8 +131,9 @@ class ExportPlan:
 class PrefillConnector:
     """Prefill side of the seam: one sender per decode endpoint, opened per transfer."""
 
-    def __init__(self, cfg: CrossfillConfig) -> None:
+    def __init__(self, cfg: CrossfillConfig, inst: Instance) -> None:
         self.cfg = cfg
+        self.inst = inst
         self.transport = cfg.inference_service.kv_cache.transport
         self._senders: dict[tuple[str, int], TransferBackend] = {}
         self._shared: Any = None  # the TE engine or Mooncake Store client, when the transport has one
@@ -141,7 +142,7 @@ class PrefillConnector:
 
     async def start(self) -> None:
         """Connect what the transport needs before the worker reports ready (fails naming the key)."""
-        self._shared = await transports.open_shared(self.transport, **self._shared_args(self.cfg))
+        self._shared = await transports.open_shared(self.transport, **self._shared_args(self.cfg, self.inst))
 
     async def close(self) -> None:
         for sender in self._senders.values():
@@ -150,10 +151,11 @@ class PrefillConnector:
         await transports.close_shared(self._shared)
 
     @staticmethod
-    def _shared_args(cfg: CrossfillConfig) -> dict[str, Any]:
+    def _shared_args(cfg: CrossfillConfig, inst: Instance) -> dict[str, Any]:
         kv = cfg.inference_service.kv_cache
+        # Mooncake peers reach this process at its instance host (the config's address for it).
         return {"store": kv.store if kv.transport == "store" else None, "mooncake_master": kv.mooncake_master,
-                "segment_mb": kv.store_memory_mb, "role": "prefill"}
+                "segment_mb": kv.store_memory_mb, "role": "prefill", "hostname": inst.host}
 
     def plan(self, job: PrefillJob) -> ExportPlan:
         claimed = job.decode_cached_tokens
@@ -207,7 +209,7 @@ class DecodeConnector:
         assert self.inst.kv_port is not None
         kv = self.cfg.inference_service.kv_cache
         self._shared = await transports.open_shared(self.transport, **{
-            **PrefillConnector._shared_args(self.cfg), "role": "decode",
+            **PrefillConnector._shared_args(self.cfg, self.inst), "role": "decode",
             "disk_dir": kv.store_disk_dir, "disk_mb": kv.store_disk_mb})
         self.receiver = await transports.make_receiver(
             self.transport, host=self.inst.host, port=self.inst.kv_port, tls=self._tls,

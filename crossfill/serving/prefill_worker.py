@@ -54,7 +54,7 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
         super().__init__(cfg, inst, engine, capacity=cfg.inference_service.prefill_pool.max_queue_depth)
-        self.connector = PrefillConnector(cfg)
+        self.connector = PrefillConnector(cfg, inst)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "transport": self.connector.transport}
