@@ -230,7 +230,7 @@ class DecodeConnector:
         """Import `prompt` into the engine, reusing the prefix it holds; NoKVCapacityError when full."""
         handle = await engine.import_kv(cache_id, prompt, params, namespace=import_namespace(self.cfg, tenant),
                                         reuse_prefix=self.cfg.inference_service.kv_cache.reuse_decode_prefix)
-        cached = int(getattr(handle, "cached_tokens", 0))
+        cached = handle.cached_tokens
         return Reservation(handle, cache_id, cached, token_digest(prompt[:cached]) if cached else None)
 
     def expect(self, res: Reservation, *, fingerprint: str, prompt: list[int], tenant: str) -> None:
