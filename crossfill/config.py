@@ -182,7 +182,11 @@ class DatacenterConfig(_Strict):
 
 
 class LinkConfig(_Strict):
-    """The network between two datacenters; `emulate` puts a WAN emulator on every crossing."""
+    """The network between two datacenters; `emulate` puts a WAN emulator on every crossing.
+
+    `emulate: false` is a real network: no emulator, and each datacenter reaches the other's
+    instances at their own host:port (so every `host` must be routable from the other side).
+    """
 
     between: list[str] = Field(min_length=2, max_length=2)  # two datacenter names
     bandwidth_gbps: float = Field(gt=0)
@@ -211,6 +215,14 @@ class ServingConfig(_Strict):
     retry_after_s: int = Field(1, ge=1)  # the Retry-After header on 429/503
     request_timeout_s: float = Field(600.0, gt=0)  # whole-request deadline at the gateway
     startup_timeout_s: float = Field(600.0, gt=0)  # `crossfill up` waits this long for /readyz
+    # SIGTERM to a service: stop admitting, finish in-flight requests for at most this long, exit.
+    drain_timeout_s: float = Field(30.0, ge=0)
+    # `crossfill up` restarts a child that died after 0.5 s, doubling per quick death up to this.
+    restart_backoff_max_s: float = Field(30.0, ge=0.5)
+    # How long the gateway keeps retrying, with backoff and jitter, what no client has seen yet: a
+    # scheduler that is down or restarting, a decode instance that is unreachable, draining, or
+    # dies before the first token reached the client (the request is routed again).
+    retry_budget_s: float = Field(20.0, ge=0)
 
 
 class CrossfillConfig(_Strict):
@@ -373,7 +385,7 @@ class CrossfillConfig(_Strict):
         return inst.host, inst.kv_port
 
     def http_url(self, name: str) -> str:
-        """The URL the local DC uses to reach instance `name` (through the emulator if remote)."""
+        """The URL the local DC uses to reach instance `name` (through the emulator if its link is emulated)."""
         for c in self.crossings():
             if c.kind == "http" and c.target == name:
                 return f"http://{c.listen_host}:{c.listen_port}"

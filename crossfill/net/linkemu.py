@@ -28,6 +28,13 @@ Faults, armed at run time (`arm()` or `POST /faults`), act on the next bytes thr
   open connection is aborted on both sides (the N bytes themselves are delivered first).
 - corrupt_bytes=K: flip all bits of each of the next K bytes in the chosen direction.
 - stall_ms=T: nothing is transmitted or delivered in either direction for T milliseconds.
+- partition_ms=T: the link is down for T milliseconds. Like a stall, nothing crosses in either
+  direction on open connections (their bytes wait, as TCP retransmits across a short partition);
+  in addition a connection opened meanwhile is held — not forwarded upstream — until the partition
+  ends, so the far side sees nothing of it before then. Afterwards traffic resumes by itself.
+- reorder_ms=R: until disarmed, every chunk gets an extra delay drawn uniformly in [0, R] ms.
+  Order within one connection is kept (TCP is ordered), so the effect is between connections:
+  frames striped over parallel streams arrive out of order relative to each other.
 
 The TCP handshake itself is not delayed (the proxy accepts at once); the first byte still pays the
 one-way latency, so request/response round trips measure 2 x latency.
@@ -105,6 +112,9 @@ class LinkCounters:
     upstream_connect_errors: int = 0
     cuts: int = 0
     stalls: int = 0
+    partitions: int = 0
+    held_connections: int = 0  # new connections a partition held before forwarding them
+    reordered_chunks: int = 0  # chunks given an extra reorder delay
 
 
 @dataclass
@@ -114,6 +124,7 @@ class Faults:
     cut_after_bytes: int | None = None
     corrupt_bytes: int = 0
     direction: Direction = "up"
+    reorder_ms: float = 0.0  # stays until disarmed (or armed again with 0)
 
 
 class _Transmitter:
@@ -222,8 +233,9 @@ class _Connection:
                 now = loop.time()
                 depart = max(tx.depart_at(len(data), now), emu._stall_until)
                 if depart > now:
-                    await asyncio.sleep(depart - now)
-                deliver_at = max(depart + tx.one_way_delay(len(data)), last_delivery)
+                    await emu._hold_until(depart)
+                delay = tx.one_way_delay(len(data)) + emu._reorder_delay()
+                deliver_at = max(depart + delay, last_delivery)  # never ahead of this connection's bytes
                 last_delivery = deliver_at
                 if data:
                     await queue.put((deliver_at, data))
@@ -260,9 +272,8 @@ class _Connection:
             if self.closed:
                 continue  # keep consuming so the pump never blocks on a full queue
             deliver_at, data = item
-            wait = max(deliver_at, emu._stall_until) - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            if max(deliver_at, emu._stall_until) > loop.time():
+                await emu._hold_until(max(deliver_at, emu._stall_until))
             if self.closed:
                 continue
             try:
@@ -305,6 +316,8 @@ class LinkEmulator:
         self.rng = random.Random(seed)
         self._tx = {d: _Transmitter(self, getattr(self.counters, d)) for d in DIRECTIONS}
         self._stall_until = 0.0
+        self._partition_until = 0.0
+        self._disarmed = asyncio.Event()  # replaced at each disarm: wakes everything a stall holds
         self._connections: set[_Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -345,6 +358,8 @@ class LinkEmulator:
         corrupt_bytes: int | None = None,
         stall_ms: float | None = None,
         direction: Direction = "up",
+        partition_ms: float | None = None,
+        reorder_ms: float | None = None,
     ) -> Faults:
         """Arm faults on the next bytes through the link (see the module docstring)."""
         if direction not in DIRECTIONS:
@@ -353,6 +368,8 @@ class LinkEmulator:
             ("cut_after_bytes", cut_after_bytes),
             ("corrupt_bytes", corrupt_bytes),
             ("stall_ms", stall_ms),
+            ("partition_ms", partition_ms),
+            ("reorder_ms", reorder_ms),
         ):
             if value is not None and value < 0:
                 raise UnitError(f"{name} must be >= 0, got {value}")
@@ -364,19 +381,46 @@ class LinkEmulator:
                 self.faults.cut_after_bytes = None
         if corrupt_bytes is not None:
             self.faults.corrupt_bytes = int(corrupt_bytes)
+        if reorder_ms is not None:
+            self.faults.reorder_ms = float(reorder_ms)
         if stall_ms:
             with contextlib.suppress(RuntimeError):
-                now = asyncio.get_running_loop().time()
-                self._stall_until = max(self._stall_until, now + stall_ms / 1e3)
-                for tx in self._tx.values():
-                    tx.next_free = max(tx.next_free, self._stall_until)
+                self._hold_traffic(asyncio.get_running_loop().time() + stall_ms / 1e3)
                 self.counters.stalls += 1
+        if partition_ms:
+            with contextlib.suppress(RuntimeError):
+                until = asyncio.get_running_loop().time() + partition_ms / 1e3
+                self._partition_until = max(self._partition_until, until)
+                self._hold_traffic(until)  # open connections: nothing crosses, as in a stall
+                self.counters.partitions += 1
         return self.faults
 
+    def _hold_traffic(self, until: float) -> None:
+        """Transmit and deliver nothing, in either direction, before loop time `until`."""
+        self._stall_until = max(self._stall_until, until)
+        for tx in self._tx.values():
+            tx.next_free = max(tx.next_free, self._stall_until)
+
     def disarm(self) -> None:
-        """Drop armed cut/corrupt faults and end a stall now."""
+        """Drop every armed fault and end a stall or partition now (what they hold moves on at once)."""
         self.faults = Faults()
         self._stall_until = 0.0
+        self._partition_until = 0.0
+        with contextlib.suppress(RuntimeError):
+            now = asyncio.get_running_loop().time()
+            for tx in self._tx.values():
+                tx.next_free = min(tx.next_free, now)  # a stall pushed the shaper's clock ahead
+        self._disarmed.set()
+        self._disarmed = asyncio.Event()
+
+    async def _hold_until(self, when: float) -> None:
+        """Sleep until loop time `when`, or less if the faults are disarmed meanwhile."""
+        left = when - asyncio.get_running_loop().time()
+        if 0 < left < 1.0:
+            await asyncio.sleep(left)  # shaping and latency: the cheap path, per chunk
+        elif left > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._disarmed.wait(), left)
 
     def status(self) -> dict[str, Any]:
         """Settings, armed faults and counters as JSON-ready data (the control API's GET /link)."""
@@ -388,6 +432,7 @@ class LinkEmulator:
             "faults": {
                 **asdict(self.faults),
                 "stall_remaining_ms": max(0.0, self._stall_until - loop_now) * 1e3,
+                "partition_remaining_ms": max(0.0, self._partition_until - loop_now) * 1e3,
             },
             "counters": asdict(self.counters),
         }
@@ -450,6 +495,7 @@ class LinkEmulator:
         assert task is not None
         self._tasks.add(task)
         try:
+            await self._wait_out_partition()
             try:
                 up = await asyncio.open_connection(*self.upstream, limit=_MAX_CHUNK * 2)
             except OSError as exc:
@@ -470,6 +516,22 @@ class LinkEmulator:
             pass  # stop() gave up waiting; asyncio's server callback would log a cancelled handler
         finally:
             self._tasks.discard(task)
+
+    async def _wait_out_partition(self) -> None:
+        """Hold a new connection while the link is partitioned (a partition armed meanwhile extends it)."""
+        loop = asyncio.get_running_loop()
+        if self._partition_until <= loop.time():
+            return
+        self.counters.held_connections += 1
+        while self._partition_until > loop.time():
+            await self._hold_until(self._partition_until)
+
+    def _reorder_delay(self) -> float:
+        """Extra delay of one chunk while reordering is armed (uniform in [0, reorder_ms])."""
+        if self.faults.reorder_ms <= 0:
+            return 0.0
+        self.counters.reordered_chunks += 1
+        return self.rng.uniform(0.0, self.faults.reorder_ms / 1e3)
 
     def _chunk_bytes(self) -> int:
         # About 2 ms of link time per chunk: fine-grained shaping, few wake-ups at high rates.

@@ -42,6 +42,24 @@ class DecodeWorker(WorkerBase):
         self._background: set[asyncio.Task[Any]] = set()  # every task we start, so none is lost
         self.http: httpx.AsyncClient | None = None
         self.instances = {i.name: i for i in cfg.instances()}
+        self.active: dict[str, asyncio.Task[Any]] = {}  # request id -> the HTTP request task serving it
+
+    def supersede(self, request_id: str) -> None:
+        """At most one live execution per request id: a retry of an id still running here cancels
+        the older one (its caller gave up on it before retrying), which aborts it and frees its KV."""
+        task = asyncio.current_task()
+        assert task is not None
+        old = self.active.get(request_id)
+        if old is not None and not old.done():
+            log.warning("decode %s: a retry supersedes the attempt still running here; cancelling it", request_id)
+            old.cancel()
+        self.active[request_id] = task
+
+        def forget(t: asyncio.Task[Any]) -> None:
+            if self.active.get(request_id) is t:
+                del self.active[request_id]
+
+        task.add_done_callback(forget)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "transport": self.connector.transport, "transfers": self.connector.counters()}
@@ -188,6 +206,7 @@ def create_decode_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None =
     async def decode(request: Request) -> StreamingResponse | JSONResponse:
         job = await parse_body(request, DecodeJob)
         worker.admit("decode_full", f"decode instance {inst.name} is at max_concurrent_requests ({worker.capacity})")
+        worker.supersede(job.request_id)
         first: asyncio.Future[tuple[int, ErrorEvent | None]] = asyncio.get_running_loop().create_future()
         gen = worker.run(job, first)
         # Drive the stream until its first event, so errors before decoding get a real HTTP status;

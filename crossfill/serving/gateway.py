@@ -10,6 +10,14 @@ first token (full queues, failed transfers with no fallback, prompts past the co
 proper HTTP statuses with Retry-After where it applies; a failure after the first token ends the
 stream with an error chunk, never a silent hang. A client that disconnects closes the stream to
 decode, which aborts the request everywhere (decode and prefill free its KV).
+
+Nothing the client has not seen is lost to a restarting process (M5.8, M8.4): within
+`serving.retry_budget_s`, with exponential backoff and jitter, the gateway retries a scheduler
+that is unreachable or starting, and routes the request again — preferring another decode
+instance — when the chosen decode is unreachable, draining, or breaks its stream before the
+client got a token (for a non-streamed request: before the answer is complete). The request id
+stays the same across these tries. Each reschedule is counted and named in the route's
+degradation reason. After a token reached a streaming client, a failure is an explicit error chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -50,10 +59,41 @@ from crossfill.serving.protocol import (
     RouteInfo,
     parse_decode_event,
 )
+from crossfill.serving.worker_common import InFlight, drain, release_when_request_ends
 
 log = logging.getLogger("crossfill.gateway")
 _ROUTE: TypeAdapter[Route] = TypeAdapter(Route)
 T = TypeVar("T")
+_TRANSIENT = ("not_ready", "draining")  # a 503 with one of these codes: the same call may work soon
+
+
+class Reschedule(Exception):
+    """The chosen decode instance failed before the client saw anything: route the request again."""
+
+    def __init__(self, decode: str, error: APIError) -> None:
+        super().__init__(error.message)
+        self.decode = decode
+        self.error = error
+
+
+class Backoff:
+    """Exponential backoff with full jitter, bounded by a time budget (`serving.retry_budget_s`)."""
+
+    def __init__(self, budget_s: float, first_s: float = 0.2, cap_s: float = 2.0) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.delay = first_s
+        self.cap = cap_s
+        self.tries = 0
+
+    async def wait(self) -> bool:
+        """Sleep before the next try; False when the budget does not allow one."""
+        pause = random.uniform(self.delay / 2, self.delay)  # jitter: restarted peers are not hit in step
+        if time.monotonic() + pause > self.deadline:
+            return False
+        await asyncio.sleep(pause)
+        self.delay = min(self.delay * 2, self.cap)
+        self.tries += 1
+        return True
 
 
 class ModelFacts:
@@ -95,6 +135,8 @@ class _Job:
     fields: SamplingFields
     arrived: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))
+    reschedules: list[str] = field(default_factory=list)  # decode failures before the client saw a token
+    trace_id: str | None = None  # one per request, kept across reschedules
 
 
 class Gateway:
@@ -106,6 +148,10 @@ class Gateway:
         self.http: httpx.AsyncClient | None = None
         self.scheduler_url = f"http://{cfg.topology.scheduler.host}:{cfg.topology.scheduler.port}"
         self.tracing = cfg.inference_service.observability.tracing_enabled
+        self.requests = InFlight()
+
+    async def drain(self) -> None:
+        await drain(self.readiness, self.requests, "gateway")
 
     async def start(self) -> None:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.serving.request_timeout_s, connect=5.0),
@@ -158,23 +204,65 @@ class Gateway:
         return _Job(kind, request_id, model, tokens, sampling, fields)
 
     # -- the cluster round trip ---------------------------------------------------------------------
-    async def submit(self, job: _Job) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
-        """Route and start `job`; returns (initial route info, remaining events, the first event)."""
+    async def route(self, job: _Job, backoff: Backoff, avoid: list[str]) -> Route:
+        """Ask the scheduler for a route, retrying while it is unreachable or starting."""
         assert self.http is not None
         # No refusal on our own /readyz (it mirrors the scheduler's with a lag): the scheduler
         # answers for the cluster's state at this moment.
         f = job.fields
-        trace_id = f.trace_id or (uuid.uuid4().hex if self.tracing else None)
         query = {"request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids),
-                 "prefill_policy": f.prefill_policy, "tenant_id": f.tenant_id}
-        try:
-            r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=10.0)
-        except httpx.HTTPError as exc:
-            raise APIError(503, f"scheduler unreachable: {type(exc).__name__}", code="scheduler_unavailable",
-                           retry_after=self.cfg.serving.retry_after_s) from None
-        if r.status_code != 200:
-            raise APIError.from_body(r.status_code, _json(r), r.headers.get("retry-after"))
-        route = _ROUTE.validate_python(r.json())
+                 "prefill_policy": f.prefill_policy, "tenant_id": f.tenant_id, "avoid_decode": avoid}
+        while True:
+            try:
+                r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=10.0)
+                body = _json(r)
+                if r.status_code == 200:
+                    return _ROUTE.validate_python(body)
+                err = APIError.from_body(r.status_code, body, r.headers.get("retry-after"))
+                # A request being routed again was accepted already: wait for a decode instance to
+                # come back (within the budget) rather than fail it; a new one is refused at once.
+                transient = (*_TRANSIENT, "no_decode_instance") if avoid else _TRANSIENT
+                if r.status_code != 503 or err.code not in transient:
+                    raise err
+            except httpx.HTTPError as exc:
+                err = APIError(503, f"scheduler unreachable: {type(exc).__name__}", code="scheduler_unavailable",
+                               retry_after=self.cfg.serving.retry_after_s)
+            if not await backoff.wait():
+                raise err
+            self.metrics.fallbacks.labels("scheduler_retry").inc()
+            log.info("request %s: scheduler %s; trying again (try %d)", job.request_id, err.code, backoff.tries)
+
+    async def submit(self, job: _Job, backoff: Backoff | None = None, avoid: list[str] | None = None,
+                     ) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
+        """Route and start `job`; returns (route info, the remaining events).
+
+        Decode failures before its first event are retried here (routed again, preferring
+        another decode instance); what is left of `backoff` bounds the caller's own retries.
+        """
+        backoff = backoff or Backoff(self.cfg.serving.retry_budget_s)
+        avoid = avoid if avoid is not None else []
+        while True:
+            route = await self.route(job, backoff, avoid)
+            try:
+                return await self._start(job, route)
+            except Reschedule as exc:
+                if not await backoff.wait():
+                    raise exc.error from None
+                self.note_reschedule(job, exc, avoid)
+
+    def note_reschedule(self, job: _Job, exc: Reschedule, avoid: list[str]) -> None:
+        if exc.decode not in avoid:
+            avoid.append(exc.decode)
+        job.reschedules.append(f"decode {exc.decode}: {exc.error.message}")
+        self.metrics.fallbacks.labels("reschedule").inc()
+        log.warning("request %s: decode %s failed before any token reached the client (%s); routing it again",
+                    job.request_id, exc.decode, exc.error.message)
+
+    async def _start(self, job: _Job, route: Route) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
+        assert self.http is not None
+        f = job.fields
+        job.trace_id = job.trace_id or f.trace_id or (uuid.uuid4().hex if self.tracing else None)
+        trace_id = job.trace_id
         dec = self.cfg.instance(route.decode)
         djob = DecodeJob(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids, sampling=job.sampling,
                          route=route, tenant_id=f.tenant_id, trace_id=trace_id,
@@ -187,19 +275,23 @@ class Gateway:
                     self.http.stream("POST", dec.url + "/v1/decode", content=djob.model_dump_json(),
                                      headers={"content-type": "application/json"}))
             except httpx.HTTPError as exc:
-                raise APIError(503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
-                               code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s) from None
+                raise Reschedule(dec.name, APIError(
+                    503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
+                    code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s)) from None
             if resp.status_code != 200:
-                body = _json_bytes(await resp.aread())
-                raise APIError.from_body(resp.status_code, body, resp.headers.get("retry-after"))
+                err = APIError.from_body(resp.status_code, _json_bytes(await resp.aread()),
+                                         resp.headers.get("retry-after"))
+                if resp.status_code == 503 and err.code in _TRANSIENT:
+                    raise Reschedule(dec.name, err)
+                raise err
             lines = resp.aiter_lines()
             try:
                 while not (line := await anext(lines)):
                     pass
                 first = parse_decode_event(line)
             except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
-                raise APIError(502, f"decode instance {dec.name} ended the stream early: {exc!r}",
-                               code="decode_failed") from None
+                raise Reschedule(dec.name, APIError(502, f"decode instance {dec.name} ended the stream early: "
+                                                    f"{exc!r}", code="decode_failed")) from None
         except BaseException:
             # Covers cancellation too (client gone): closing the stream makes decode abort everywhere.
             await stack.aclose()
@@ -217,6 +309,7 @@ class Gateway:
         crossfill = first.crossfill if isinstance(first, Routed | ErrorEvent) else None
         info = crossfill or RouteInfo(request_id=job.request_id)
         info.timings_ms["queue"] = info.timings_ms.get("queue", 0.0) + routed_ms
+        _note_reschedules(job, info)
         if isinstance(first, ErrorEvent):
             await it.aclose()
             raise APIError(first.status, first.message, code=first.code, param=first.param,
@@ -229,6 +322,7 @@ class Gateway:
 
     def finish_info(self, job: _Job, info: RouteInfo, final: Done, t_first: float | None) -> RouteInfo:
         done = (final.crossfill or info).model_copy(deep=True)
+        _note_reschedules(job, done)
         done.timings_ms["queue"] = info.timings_ms.get("queue", 0.0)
         now = time.perf_counter()
         if t_first is not None:
@@ -254,6 +348,14 @@ class Gateway:
         if error:
             line += f" error=({error})"
         (log.warning if info.degradation_reason or error else log.info)("%s", line)
+
+
+def _note_reschedules(job: _Job, info: RouteInfo) -> None:
+    """Name the decode failures this request was rescheduled after in its degradation reason."""
+    if job.reschedules:
+        note = f"rescheduled after {'; '.join(job.reschedules)}"
+        if note not in (info.degradation_reason or ""):
+            info.degradation_reason = "; ".join(r for r in (info.degradation_reason, note) if r)
 
 
 def _json(r: httpx.Response) -> Any:
@@ -305,6 +407,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
     add_health_routes(app, gw.readiness)
     add_metrics_route(app, gw.metrics, cfg.inference_service.observability.metrics_enabled)
     app.state.gateway = gw
+    app.state.drain = gw.drain
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone) -> JSONResponse:
@@ -355,17 +458,35 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         return await respond(job, request)
 
     async def respond(job: _Job, request: Request) -> JSONResponse | StreamingResponse:
+        if gw.readiness.draining:
+            raise APIError(503, "the gateway is draining (shutting down); retry shortly", code="draining",
+                           retry_after=cfg.serving.retry_after_s)
+        gw.requests.enter()
+        release_when_request_ends(gw.requests.leave)
+        backoff, avoid = Backoff(cfg.serving.retry_budget_s), []
         try:
-            info, events = await until_disconnect(request, gw.submit(job))
+            if job.fields.stream:
+                info, events = await until_disconnect(request, gw.submit(job, backoff, avoid))
+                return StreamingResponse(stream(job, info, events), media_type="text/event-stream",
+                                         headers={"x-crossfill-route": info.header(), "x-request-id": job.request_id})
+            return await until_disconnect(request, complete(job, backoff, avoid))
         except APIError as exc:
             gw.metrics.errors.labels(exc.code or "error").inc()
             ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id})
             gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}")
             raise
-        headers = {"x-crossfill-route": info.header(), "x-request-id": job.request_id}
-        if job.fields.stream:
-            return StreamingResponse(stream(job, info, events), media_type="text/event-stream", headers=headers)
-        return await until_disconnect(request, collect(job, info, events, headers))
+
+    async def complete(job: _Job, backoff: Backoff, avoid: list[str]) -> JSONResponse:
+        """A non-streamed answer: until it is complete the client saw nothing, so a broken decode is retried."""
+        while True:
+            info, events = await gw.submit(job, backoff, avoid)
+            headers = {"x-crossfill-route": info.header(), "x-request-id": job.request_id}
+            try:
+                return await collect(job, info, events, headers)
+            except Reschedule as exc:
+                if not await backoff.wait():
+                    raise exc.error from None
+                gw.note_reschedule(job, exc, avoid)
 
     async def collect(job: _Job, info: RouteInfo, events: AsyncIterator[Routed | Delta | Done | ErrorEvent],
                       headers: dict[str, str]) -> JSONResponse:
@@ -387,10 +508,12 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                     raise APIError(ev.status, ev.message, code=ev.code,
                                    extra={"crossfill": ev.crossfill.as_dict() if ev.crossfill else None})
         except (httpx.HTTPError, ValueError) as exc:
-            raise APIError(502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed") from None
+            raise Reschedule(info.decode_instance or "?", APIError(
+                502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed")) from None
         finally:
             await events.aclose()  # type: ignore[attr-defined]
-        raise APIError(502, "decode stream ended without a result", code="decode_failed")
+        raise Reschedule(info.decode_instance or "?", APIError(502, "decode stream ended without a result",
+                                                                code="decode_failed"))
 
     async def stream(job: _Job, info: RouteInfo,
                      events: AsyncIterator[Routed | Delta | Done | ErrorEvent]) -> AsyncIterator[bytes]:

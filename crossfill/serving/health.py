@@ -21,12 +21,18 @@ class Readiness:
         self.ready = False
         self.reason = "starting"
         self.started = time.time()
+        self.draining = False
 
     def set_ready(self) -> None:
-        self.ready, self.reason = True, "ready"
+        if not self.draining:  # a drain is final: nothing makes the process ready again
+            self.ready, self.reason = True, "ready"
 
     def set_not_ready(self, reason: str) -> None:
-        self.ready, self.reason = False, reason
+        if not self.draining:
+            self.ready, self.reason = False, reason
+
+    def drain(self) -> None:
+        self.ready, self.reason, self.draining = False, "draining: finishing in-flight requests, then exiting", True
 
 
 def add_health_routes(app: FastAPI, readiness: Readiness) -> None:

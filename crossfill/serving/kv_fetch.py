@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -49,6 +50,11 @@ class Prefilled:
     notes: list[str] = field(default_factory=list)
 
 
+def retry_pause(n: int) -> float:
+    """Seconds before the n-th retry of one instance: exponential from 0.1 s, capped at 1 s, full jitter."""
+    return random.uniform(0.5, 1.0) * min(0.1 * 2 ** (n - 1), 1.0)
+
+
 # Called with (prefill instance, wire bytes, seconds, ok, tail seconds) after a transfer (best effort).
 TransferReport = Callable[[str, int, float, bool, float], None]
 
@@ -78,6 +84,10 @@ class KVFetcher:
                 self.metrics.errors.labels(step.code).inc()
                 raise APIError(step.status, f"{job.request_id}: {step.message}", code=step.code,
                                retry_after=self.cfg.serving.retry_after_s if step.retry_after else None)
+            if failures and failures[-1].instance == step.instance:
+                # The same instance again: give a restarting or briefly overloaded peer a moment,
+                # jittered so retries of many requests do not arrive in step.
+                await asyncio.sleep(retry_pause(sum(f.instance == step.instance for f in failures)))
             try:
                 got = await self._attempt(job, params, step.instance, started)
             except AttemptFailed as exc:

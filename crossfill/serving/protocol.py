@@ -32,6 +32,9 @@ class RouteQuery(_Msg):
     prompt_tokens: int = Field(ge=0)
     prefill_policy: str = "auto"
     tenant_id: str | None = None
+    # Decode instances that just failed this request (the gateway is routing it again): avoided
+    # while another one can take it, still chosen when it is the only one (it may be back by now).
+    avoid_decode: list[str] = Field(default_factory=list)
 
 
 class DecodeJob(_Msg):

@@ -2,12 +2,60 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
 from crossfill.config import ROLES, ConfigError, CrossfillConfig, load_config
+
+log = logging.getLogger("crossfill.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a graceful drain on the first SIGTERM/SIGINT.
+
+    The app's `drain()` stops admitting (the process turns not-ready, so the scheduler stops
+    routing to it and late arrivals get a JSON 503 that callers retry elsewhere) and returns when
+    the requests in flight have finished; only then does uvicorn close its sockets. A second
+    signal, or `drain_timeout_s` passing, exits at once (what is still running then gets its
+    explicit error from the caller's side: a broken stream is retried or reported).
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]] | None,
+                 drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is None or self._loop is None or self._draining:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._captured_signals.append(sig)  # re-raised after shutdown, as uvicorn does
+        # Signal handlers run between bytecodes of the loop's own thread: hand over, do not run here.
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain_then_exit()))  # type: ignore[union-attr]
+
+    async def _drain_then_exit(self) -> None:
+        assert self._drain is not None
+        try:
+            await asyncio.wait_for(self._drain(), self._drain_timeout_s)
+        except TimeoutError:
+            log.warning("drain did not finish within serving.drain_timeout_s (%gs); exiting anyway",
+                        self._drain_timeout_s)
+        except Exception:  # noqa: BLE001 - exiting is still right; say why the drain broke
+            log.exception("drain failed; exiting")
+        self.should_exit = True
 
 
 def setup_logging(cfg: CrossfillConfig, name: str) -> None:
@@ -58,5 +106,7 @@ def serve_role(role: str, config_path: str, instance: str | None) -> int:
         print(str(exc))
         return 2
     setup_logging(cfg, instance or role)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, getattr(app.state, "drain", None), cfg.serving.drain_timeout_s)
+    server.run()
     return 0

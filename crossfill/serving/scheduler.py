@@ -5,7 +5,14 @@ It keeps a live picture of the cluster (per-instance health, readiness and queue
 remote instances, and each link's bandwidth) and answers `POST /v1/route`
 by running the pure policy `crossfill.policy.decide` over a snapshot of it. An instance that
 fails `serving.health_check_failures` probes in a row stops receiving traffic; it gets traffic
-again as soon as a probe succeeds.
+again as soon as a probe succeeds. Until its first probe round has answered, the scheduler knows
+nothing and says so (503 `not_ready`, which the gateway retries): a restarted scheduler rejoins
+without routing anything on an empty picture.
+
+Latency: a link's one-way latency is half the *minimum* round trip of the last
+`_LATENCY_WINDOW` probes. A probe's round trip includes the time both event loops took to get to
+it, so on a loaded machine single probes come back late while the link itself did not change;
+the minimum of a window ignores those and still follows a sustained change within the window.
 
 Bandwidth: routing checks `network.min_bandwidth_gbps` against the link's declared capacity (its
 `bandwidth_gbps` in the topology), which an operator or an external monitor can change at run time
@@ -22,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -38,7 +46,8 @@ from crossfill.serving.protocol import RouteQuery, _Msg
 
 log = logging.getLogger("crossfill.scheduler")
 
-_EWMA = 0.3  # weight of the newest sample in latency/bandwidth estimates
+_EWMA = 0.3  # weight of the newest sample in the goodput estimate
+_LATENCY_WINDOW = 10  # probes whose minimum round trip gives the link latency
 _MIN_BW_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency, not goodput
 
 
@@ -61,6 +70,7 @@ class _Link:
     datacenter: str
     configured_gbps: float
     latency_ms: float | None = None
+    rtt_ms: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
     bandwidth_gbps: float | None = None  # capacity used by routing: declared, or set via the admin API
     goodput_gbps: float | None = None  # observed on real transfers (information only, see module doc)
     up: bool = True
@@ -121,8 +131,8 @@ class ClusterState:
         t.routed_since_probe = 0
         link = self.links.get(t.inst.datacenter)
         if link is not None:
-            one_way = rtt_ms / 2
-            link.latency_ms = one_way if link.latency_ms is None else (1 - _EWMA) * link.latency_ms + _EWMA * one_way
+            link.rtt_ms.append(rtt_ms)
+            link.latency_ms = min(link.rtt_ms) / 2
 
     async def probe_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self.probe(client, t) for t in self.workers.values()))
@@ -180,6 +190,18 @@ class ClusterState:
         }
 
 
+def avoiding(snap: Snapshot, names: list[str]) -> Snapshot:
+    """`snap` with the decode instances in `names` taken out, unless that would leave none available."""
+    if not names:
+        return snap
+    others = [s for s in snap.instances if s.role == "decode" and s.available and s.name not in names]
+    if not others:
+        return snap
+    instances = tuple(dataclasses.replace(s, healthy=False) if s.role == "decode" and s.name in names else s
+                      for s in snap.instances)
+    return dataclasses.replace(snap, instances=instances)
+
+
 def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     state = ClusterState(cfg)
     readiness = Readiness("scheduler", "scheduler")
@@ -218,9 +240,12 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     @app.post("/v1/route")
     async def route(request: Request) -> dict[str, object]:
         q = await parse_body(request, RouteQuery)
+        if state.rounds == 0:
+            raise APIError(503, "the scheduler is starting: no health probe round has answered yet",
+                           code="not_ready", retry_after=cfg.serving.retry_after_s)
         try:
             r = decide(RouteRequest(q.prompt_tokens, q.prefill_policy, q.tenant_id),  # type: ignore[arg-type]
-                       state.snapshot(), cfg.inference_service)
+                       avoiding(state.snapshot(), q.avoid_decode), cfg.inference_service)
         except NoRoute as exc:
             retry = cfg.serving.retry_after_s if exc.status in (429, 503) else None
             metrics.errors.labels(exc.code).inc()

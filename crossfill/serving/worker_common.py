@@ -24,6 +24,35 @@ from crossfill.serving.metrics import ServingMetrics, add_metrics_route
 log = logging.getLogger("crossfill.worker")
 
 
+class InFlight:
+    """Requests a process holds now; `drained()` waits until there are none (graceful shutdown)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+
+async def drain(readiness: Readiness, in_flight: InFlight, what: str) -> None:
+    """Stop admitting (not ready: the scheduler stops routing, new calls get 503), let the rest finish."""
+    readiness.drain()
+    log.warning("%s draining: %d request(s) in flight, refusing new ones", what, in_flight.count)
+    await in_flight.drained()
+    log.warning("%s drained", what)
+
+
 def release_when_request_ends(release: Callable[[], None]) -> None:
     """Run `release` once when the current request's task ends, however it ends.
 
@@ -43,7 +72,7 @@ class WorkerBase:
         self.inst = inst
         self.engine = engine
         self.capacity = capacity  # requests this instance holds at once (queued or running)
-        self.in_flight = 0
+        self.requests = InFlight()
         self.readiness = Readiness(self.role, inst.name)
         self.metrics = ServingMetrics()
         self._owns_engine = engine is None
@@ -87,7 +116,8 @@ class WorkerBase:
     def require_ready(self) -> None:
         if not self.readiness.ready:
             raise APIError(503, f"{self.role} instance {self.inst.name} is not ready: {self.readiness.reason}",
-                           code="not_ready", retry_after=self.cfg.serving.retry_after_s)
+                           code="draining" if self.readiness.draining else "not_ready",
+                           retry_after=self.cfg.serving.retry_after_s)
 
     def admit(self, code: str, refusal: str) -> None:
         """Count the current HTTP request against `capacity` until its task ends, or refuse it now.
@@ -99,14 +129,21 @@ class WorkerBase:
         if self.in_flight >= self.capacity:
             self.metrics.errors.labels(code).inc()
             raise APIError(429, refusal, code=code, retry_after=self.cfg.serving.retry_after_s)
-        self.in_flight += 1
+        self.requests.enter()
         self.metrics.queue.set(self.in_flight)
 
         def release() -> None:
-            self.in_flight -= 1
+            self.requests.leave()
             self.metrics.queue.set(self.in_flight)
 
         release_when_request_ends(release)
+
+    @property
+    def in_flight(self) -> int:
+        return self.requests.count
+
+    async def drain(self) -> None:
+        await drain(self.readiness, self.requests, f"{self.role} {self.inst.name}")
 
     def kv_stats(self) -> dict[str, int]:
         if self.engine is None:
@@ -148,4 +185,5 @@ class WorkerBase:
             return self.stats()
 
         app.state.worker = self
+        app.state.drain = self.drain
         return app
