@@ -51,11 +51,19 @@ def register(app: typer.Typer) -> None:
         role: str = typer.Argument(..., help=f"one of {', '.join(ROLES)}"),
         config: str = typer.Option(..., "--config", "-c", help="YAML configuration file"),
         instance: str | None = typer.Option(None, "--instance", help="instance name (prefill/decode roles)"),
+        datacenter: str | None = typer.Option(None, help="scale out: run an instance the config does not list, "
+                                              "in this datacenter (then register it: POST /v1/admin/instances)"),
+        port: int | None = typer.Option(None, help="scale out: its HTTP port"),
+        kv_port: int | None = typer.Option(None, help="scale out: its KV port (decode)"),
+        host: str | None = typer.Option(None, help="scale out: its address (default: the datacenter's host)"),
     ) -> None:
         """Run one role of the deployment in this process."""
-        from crossfill.serving.run import serve_role
+        from crossfill.serving.run import ExtraInstance, serve_role
 
-        raise typer.Exit(serve_role(role, config, instance))
+        extra = None
+        if datacenter is not None or port is not None:
+            extra = ExtraInstance(datacenter=datacenter, port=port, kv_port=kv_port, host=host)
+        raise typer.Exit(serve_role(role, config, instance, extra))
 
     @app.command()
     def up(config: str = typer.Option(..., "--config", "-c", help="YAML configuration file")) -> None:

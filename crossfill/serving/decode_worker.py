@@ -105,7 +105,8 @@ class DecodeWorker(WorkerBase):
                     raise APIError(504, f"no KV cache for {job.request_id} within the request deadline "
                                    f"({job.deadline_s:g}s)", code="deadline_exceeded") from None
                 engine_id = got.reservation.cache_id
-                info.route = "remote" if self.instances[got.prefill].datacenter != self.inst.datacenter else "local"
+                where = self.fetcher.instance(got.prefill, job).datacenter
+                info.route = "remote" if where != self.inst.datacenter else "local"
                 info.prefill_instance, info.cache_id = got.prefill, engine_id
                 info.transport = self.connector.transport
                 info.kv_raw_bytes, info.kv_wire_bytes = got.raw_bytes, got.wire_bytes

@@ -54,6 +54,7 @@ from crossfill.serving.protocol import (
     DecodeJob,
     Delta,
     Done,
+    Endpoint,
     ErrorEvent,
     Routed,
     RouteInfo,
@@ -204,7 +205,7 @@ class Gateway:
         return _Job(kind, request_id, model, tokens, sampling, fields)
 
     # -- the cluster round trip ---------------------------------------------------------------------
-    async def route(self, job: _Job, backoff: Backoff, avoid: list[str]) -> Route:
+    async def route(self, job: _Job, backoff: Backoff, avoid: list[str]) -> tuple[Route, dict[str, Endpoint]]:
         """Ask the scheduler for a route, retrying while it is unreachable or starting."""
         assert self.http is not None
         # No refusal on our own /readyz (it mirrors the scheduler's with a lag): the scheduler
@@ -217,7 +218,8 @@ class Gateway:
                 r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=10.0)
                 body = _json(r)
                 if r.status_code == 200:
-                    return _ROUTE.validate_python(body)
+                    endpoints = {n: Endpoint.model_validate(e) for n, e in (body.pop("endpoints", None) or {}).items()}
+                    return _ROUTE.validate_python(body), endpoints
                 err = APIError.from_body(r.status_code, body, r.headers.get("retry-after"))
                 # A request being routed again was accepted already: wait for a decode instance to
                 # come back (within the budget) rather than fail it; a new one is refused at once.
@@ -242,9 +244,9 @@ class Gateway:
         backoff = backoff or Backoff(self.cfg.serving.retry_budget_s)
         avoid = avoid if avoid is not None else []
         while True:
-            route = await self.route(job, backoff, avoid)
+            route, endpoints = await self.route(job, backoff, avoid)
             try:
-                return await self._start(job, route)
+                return await self._start(job, route, endpoints)
             except Reschedule as exc:
                 if not await backoff.wait():
                     raise exc.error from None
@@ -258,31 +260,32 @@ class Gateway:
         log.warning("request %s: decode %s failed before any token reached the client (%s); routing it again",
                     job.request_id, exc.decode, exc.error.message)
 
-    async def _start(self, job: _Job, route: Route) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
+    async def _start(self, job: _Job, route: Route, endpoints: dict[str, Endpoint],
+                     ) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
         assert self.http is not None
         f = job.fields
         job.trace_id = job.trace_id or f.trace_id or (uuid.uuid4().hex if self.tracing else None)
         trace_id = job.trace_id
-        dec = self.cfg.instance(route.decode)
+        dec_url = endpoints[route.decode].url if route.decode in endpoints else self.cfg.instance(route.decode).url
         djob = DecodeJob(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids, sampling=job.sampling,
                          route=route, tenant_id=f.tenant_id, trace_id=trace_id,
-                         deadline_s=self.cfg.serving.request_timeout_s)
+                         deadline_s=self.cfg.serving.request_timeout_s, endpoints=endpoints)
         routed_ms = (time.perf_counter() - job.arrived) * 1000
         stack = contextlib.AsyncExitStack()
         try:
             try:
                 resp = await stack.enter_async_context(
-                    self.http.stream("POST", dec.url + "/v1/decode", content=djob.model_dump_json(),
+                    self.http.stream("POST", dec_url + "/v1/decode", content=djob.model_dump_json(),
                                      headers={"content-type": "application/json"}))
             except httpx.HTTPError as exc:
-                raise Reschedule(dec.name, APIError(
-                    503, f"decode instance {dec.name} unreachable: {type(exc).__name__}",
+                raise Reschedule(route.decode, APIError(
+                    503, f"decode instance {route.decode} unreachable: {type(exc).__name__}",
                     code="decode_unavailable", retry_after=self.cfg.serving.retry_after_s)) from None
             if resp.status_code != 200:
                 err = APIError.from_body(resp.status_code, _json_bytes(await resp.aread()),
                                          resp.headers.get("retry-after"))
                 if resp.status_code == 503 and err.code in _TRANSIENT:
-                    raise Reschedule(dec.name, err)
+                    raise Reschedule(route.decode, err)
                 raise err
             lines = resp.aiter_lines()
             try:
@@ -290,7 +293,7 @@ class Gateway:
                     pass
                 first = parse_decode_event(line)
             except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
-                raise Reschedule(dec.name, APIError(502, f"decode instance {dec.name} ended the stream early: "
+                raise Reschedule(route.decode, APIError(502, f"decode instance {route.decode} ended the stream early: "
                                                     f"{exc!r}", code="decode_failed")) from None
         except BaseException:
             # Covers cancellation too (client gone): closing the stream makes decode abort everywhere.
@@ -316,7 +319,7 @@ class Gateway:
                            retry_after=first.retry_after, extra={"crossfill": info.as_dict()})
         if not isinstance(first, Routed):
             await it.aclose()
-            raise APIError(502, f"decode instance {dec.name} started with a {first.event!r} event, not 'routed'",
+            raise APIError(502, f"decode instance {route.decode} started with a {first.event!r} event, not 'routed'",
                            code="decode_failed")
         return info, it
 

@@ -67,14 +67,33 @@ class KVFetcher:
         self.http, self.metrics, self.report, self.background = http, metrics, report, background
         self.instances = {i.name: i for i in cfg.instances()}
 
-    def _where(self, name: str) -> str:
-        return "local" if self.instances[name].datacenter == self.inst.datacenter else "remote"
+    def instance(self, name: str, job: DecodeJob) -> Instance:
+        """A configured instance, or one added at run time whose address came with the job."""
+        inst = self.instances.get(name)
+        if inst is not None:
+            return inst
+        e = job.endpoints[name]
+        return Instance(name, e.role, e.datacenter, e.host, e.port, e.kv_port)
+
+    def _where(self, name: str, job: DecodeJob) -> str:
+        return "local" if self.instance(name, job).datacenter == self.inst.datacenter else "remote"
+
+    def _urls(self, name: str, job: DecodeJob) -> tuple[str, tuple[str, int]]:
+        """(prefill `name`'s URL, where it sends KV to this instance): through the emulated WAN where
+        the config puts one, direct for instances added at run time."""
+        pre = self.instance(name, job)
+        url = self.cfg.http_url(name) if name in self.instances else pre.url
+        if self.inst.name in self.instances and name in self.instances:
+            return url, self.cfg.kv_address(self.inst.name, pre.datacenter)
+        assert self.inst.kv_port is not None
+        return url, (self.inst.host, self.inst.kv_port)
 
     async def fetch(self, job: DecodeJob, params: SamplingParams, info: RouteInfo, started: float) -> Prefilled:
         kv = self.cfg.inference_service.kv_cache
         plan = AttemptPlan(
             candidates=(job.route.prefill, *job.route.fallbacks),
-            prefill_instances=frozenset(n for n, i in self.instances.items() if i.role == "prefill"),
+            prefill_instances=frozenset([*(n for n, i in self.instances.items() if i.role == "prefill"),
+                                         *(n for n, e in job.endpoints.items() if e.role == "prefill")]),
             max_retry=kv.max_retry,
             fallback_to_local=self.cfg.inference_service.routing.fallback_to_local_on_failure)
         failures: list[Failure] = []
@@ -97,7 +116,7 @@ class KVFetcher:
                 log.warning("decode %s: KV from %s failed (%s)", job.request_id, step.instance, exc.reason)
                 self.report(step.instance, 0, 0.0, False, 0.0)
                 continue
-            note = degradation_note(plan, failures, step, self._where(step.instance))
+            note = degradation_note(plan, failures, step, self._where(step.instance, job))
             if note is not None:
                 if step.index > 0:
                     self.metrics.fallbacks.labels("prefill_failed").inc()
@@ -118,13 +137,13 @@ class KVFetcher:
         ok = False
         try:
             self.connector.expect(res, fingerprint=self.engine.fingerprint, prompt=job.prompt_token_ids, tenant=tenant)
-            kv_host, kv_port = self.cfg.kv_address(self.inst.name, self.instances[name].datacenter)
+            url, (kv_host, kv_port) = self._urls(name, job)
             pjob = PrefillJob(request_id=job.request_id, cache_id=cache_id, prompt_token_ids=job.prompt_token_ids,
                               sampling=params, kv_host=kv_host, kv_port=kv_port, decode_instance=self.inst.name,
                               tenant_id=job.tenant_id, trace_id=job.trace_id,
                               decode_cached_tokens=res.cached_tokens, decode_prefix_digest=res.prefix_digest)
             t_call = time.perf_counter()
-            first, t_kv = await self._prefill_and_transfer(name, pjob, timeout_s)
+            first, t_kv = await self._prefill_and_transfer(name, url, pjob, timeout_s)
             raw, wire = self.connector.transfer_bytes(cache_id)
             queue_ms = (t_call - started) * 1000 + first.timings_ms.get("queue", 0.0)
             prefill_ms = first.timings_ms.get("prefill", 0.0)
@@ -155,7 +174,7 @@ class KVFetcher:
                     self.metrics.cleanup_failures.labels("import_abort").inc()
                     log.warning("decode %s: aborting import %s failed: %s", job.request_id, cache_id, exc)
 
-    async def _prefill_and_transfer(self, name: str, pjob: PrefillJob,
+    async def _prefill_and_transfer(self, name: str, url: str, pjob: PrefillJob,
                                     timeout_s: float) -> tuple[FirstToken | PrefillDone, float]:
         """Run the prefill call and the transfer wait side by side until both the first token and
         the verified commit are in; the prefill stream then runs on to `done` in the background."""
@@ -174,7 +193,7 @@ class KVFetcher:
                 first_fut.set_result(ev)
 
         kv_task = asyncio.create_task(wait_kv())
-        pre_task = asyncio.create_task(call_prefill(self.http, self.cfg.http_url(name), pjob, timeout_s, on_first))
+        pre_task = asyncio.create_task(call_prefill(self.http, url, pjob, timeout_s, on_first))
         got_both = False
         try:
             while not (kv_task.done() and first_fut.done()):

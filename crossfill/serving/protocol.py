@@ -37,6 +37,20 @@ class RouteQuery(_Msg):
     avoid_decode: list[str] = Field(default_factory=list)
 
 
+class Endpoint(_Msg):
+    """Where an instance added at run time (not in the config file) is reached: at its own address."""
+
+    role: Literal["prefill", "decode"]
+    datacenter: str
+    host: str
+    port: int = Field(gt=0, lt=65536)
+    kv_port: int | None = Field(default=None, gt=0, lt=65536)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
 class DecodeJob(_Msg):
     request_id: str
     prompt_token_ids: list[int]
@@ -45,6 +59,8 @@ class DecodeJob(_Msg):
     tenant_id: str | None = None
     trace_id: str | None = None
     deadline_s: float = 600.0  # whole request, from the moment decode receives it
+    # The route's instances that the config file does not list (added through the scheduler's admin API).
+    endpoints: dict[str, Endpoint] = Field(default_factory=dict)
 
 
 class PrefillJob(_Msg):

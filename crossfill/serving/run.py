@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
-from crossfill.config import ROLES, ConfigError, CrossfillConfig, load_config
+from crossfill.config import ROLES, ConfigError, CrossfillConfig, Instance, load_config
 
 log = logging.getLogger("crossfill.serve")
 
@@ -65,7 +66,33 @@ def setup_logging(cfg: CrossfillConfig, name: str) -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
-def build_app(cfg: CrossfillConfig, role: str, instance: str | None) -> tuple[FastAPI, str, int]:
+@dataclass(frozen=True)
+class ExtraInstance:
+    """Scale out: where an instance that the config file does not list runs (`serve --datacenter --port`)."""
+
+    datacenter: str | None
+    port: int | None
+    kv_port: int | None = None
+    host: str | None = None
+
+    def instance(self, cfg: CrossfillConfig, role: str, name: str | None) -> Instance:
+        if role not in ("prefill", "decode"):
+            raise ConfigError(f"--datacenter/--port start a prefill or decode instance, not a {role}")
+        if name is None or self.datacenter is None or self.port is None:
+            raise ConfigError("an instance the config does not list needs --instance NAME, --datacenter and --port")
+        if any(i.name == name for i in cfg.instances()):
+            raise ConfigError(f"instance {name!r} is in the config already: start it with --instance only")
+        dc = cfg.topology.datacenters.get(self.datacenter)
+        if dc is None:
+            raise ConfigError(f"--datacenter {self.datacenter!r}: not in topology.datacenters "
+                              f"({sorted(cfg.topology.datacenters)})")
+        if role == "decode" and self.kv_port is None:
+            raise ConfigError("a decode instance needs --kv-port (where prefill sends its KV)")
+        return Instance(name, role, self.datacenter, self.host or dc.host, self.port, self.kv_port)  # type: ignore[arg-type]
+
+
+def build_app(cfg: CrossfillConfig, role: str, instance: str | None,
+              extra: ExtraInstance | None = None) -> tuple[FastAPI, str, int]:
     if role == "gateway":
         from crossfill.serving.gateway import create_gateway_app
 
@@ -77,7 +104,9 @@ def build_app(cfg: CrossfillConfig, role: str, instance: str | None) -> tuple[Fa
         ep = cfg.topology.scheduler
         return create_scheduler_app(cfg), ep.host, ep.port
     candidates = [i for i in cfg.instances() if i.role == role]
-    if instance is None:
+    if extra is not None:
+        inst = extra.instance(cfg, role, instance)
+    elif instance is None:
         if len(candidates) != 1:
             raise ConfigError(f"--instance is required for role {role}: one of {[i.name for i in candidates]}")
         inst = candidates[0]
@@ -94,14 +123,14 @@ def build_app(cfg: CrossfillConfig, role: str, instance: str | None) -> tuple[Fa
     return create_decode_app(cfg, inst), inst.host, inst.port
 
 
-def serve_role(role: str, config_path: str, instance: str | None) -> int:
+def serve_role(role: str, config_path: str, instance: str | None, extra: ExtraInstance | None = None) -> int:
     """Run until SIGINT/SIGTERM; returns the exit status."""
     if role not in ROLES:
         print(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
         return 2
     try:
         cfg = load_config(config_path)
-        app, host, port = build_app(cfg, role, instance)
+        app, host, port = build_app(cfg, role, instance, extra)
     except ConfigError as exc:
         print(str(exc))
         return 2

@@ -9,6 +9,13 @@ again as soon as a probe succeeds. Until its first probe round has answered, the
 nothing and says so (503 `not_ready`, which the gateway retries): a restarted scheduler rejoins
 without routing anything on an empty picture.
 
+Scale in and out at run time (`/v1/admin/instances`): `POST` adds a prefill or decode instance
+that is not in the config file (started with `crossfill serve ROLE --instance NAME --datacenter DC
+--port P`); it is probed like the others and gets traffic once ready, reached at its own address
+(routes carry it to the gateway and decode). `DELETE .../{name}` drains one: no new requests go
+to it, and once a probe sees it empty it is `drained` and can be stopped without dropping a
+request. `POST` of a drained name takes it back. The last active decode instance cannot be removed.
+
 Latency: a link's one-way latency is half the *minimum* round trip of the last
 `_LATENCY_WINDOW` probes. A probe's round trip includes the time both event loops took to get to
 it, so on a loaded machine single probes come back late while the link itself did not change;
@@ -39,10 +46,11 @@ from pydantic import Field
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.policy import InstanceState, LinkState, NoRoute, RouteRequest, Snapshot, decide
+from crossfill.policy.routing import Route
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
-from crossfill.serving.protocol import RouteQuery, _Msg
+from crossfill.serving.protocol import Endpoint, RouteQuery, _Msg
 
 log = logging.getLogger("crossfill.scheduler")
 
@@ -54,6 +62,9 @@ _MIN_BW_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency, not good
 @dataclass
 class _Tracked:
     inst: Instance
+    url: str  # where the scheduler (in the local DC) reaches it
+    dynamic: bool = False  # added through the admin API, not in the config file
+    state: str = "active"  # active | draining (no new requests) | drained (empty, out of routing)
     healthy: bool = False
     ready: bool = False
     failures: int = 0
@@ -90,13 +101,20 @@ class LinkUpdate(_Msg):
     bandwidth_gbps: float = Field(gt=0)
 
 
+class InstanceSpec(Endpoint):
+    """`POST /v1/admin/instances`: an instance to add (its process already started or starting)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+
+
 class ClusterState:
     """What the scheduler knows; every field is updated by probes or reports, read by snapshot()."""
 
     def __init__(self, cfg: CrossfillConfig) -> None:
         self.cfg = cfg
         self.local = cfg.topology.local_datacenter
-        self.workers = {i.name: _Tracked(i) for i in cfg.instances() if i.role in ("prefill", "decode")}
+        self.workers = {i.name: _Tracked(i, cfg.http_url(i.name))
+                        for i in cfg.instances() if i.role in ("prefill", "decode")}
         self.links: dict[str, _Link] = {}
         for dc in cfg.topology.datacenters:
             link = cfg.link_to_local(dc)
@@ -105,7 +123,7 @@ class ClusterState:
         self.rounds = 0
 
     async def probe(self, client: httpx.AsyncClient, t: _Tracked) -> None:
-        url = self.cfg.http_url(t.inst.name) + "/v1/admin/stats"
+        url = t.url + "/v1/admin/stats"
         t0 = time.perf_counter()
         try:
             resp = await client.get(url)
@@ -122,10 +140,13 @@ class ClusterState:
                             t.inst.name, t.failures, t.last_error)
             return
         if not t.healthy:
-            log.info("instance %s healthy, routing to it", t.inst.name)
+            log.info("instance %s answers its health checks again", t.inst.name)
         t.healthy, t.failures, t.last_error, t.last_ok = True, 0, None, time.time()
         t.ready = bool(body.get("ready"))
         t.queue_depth = int(body.get("queue_depth", 0))
+        if t.state == "draining" and t.queue_depth == 0 and t.routed_since_probe == 0:
+            t.state = "drained"
+            log.warning("instance %s drained: no request left on it, it can be stopped", t.inst.name)
         t.capacity = int(body.get("capacity", 1))
         t.kv = dict(body.get("kv", {}))
         t.routed_since_probe = 0
@@ -157,13 +178,73 @@ class ClusterState:
     def snapshot(self) -> Snapshot:
         states = []
         for t in self.workers.values():
+            if t.state == "drained":
+                continue
             states.append(InstanceState(
                 name=t.inst.name, role=t.inst.role, datacenter=t.inst.datacenter,  # type: ignore[arg-type]
-                healthy=t.healthy, ready=t.ready, queue_depth=t.queue_depth, capacity=t.capacity,
-                pending=t.routed_since_probe))
+                healthy=t.healthy and t.state == "active", ready=t.ready, queue_depth=t.queue_depth,
+                capacity=t.capacity, pending=t.routed_since_probe))
         links = tuple(LinkState(dc, bandwidth_gbps=lk.bandwidth_gbps, latency_ms=lk.latency_ms, up=lk.up)
                       for dc, lk in self.links.items())
         return Snapshot(self.local, tuple(states), links)
+
+    # -- scale in and out ----------------------------------------------------------------------
+    def add(self, spec: InstanceSpec) -> _Tracked:
+        """Register `spec` (scale out), or take a draining/drained instance of that name back."""
+        t = self.workers.get(spec.name)
+        if t is not None:
+            if t.state == "active":
+                raise APIError(409, f"instance {spec.name!r} is already serving", param="name",
+                               code="instance_exists")
+            t.state = "active"
+            log.warning("instance %s taken back into routing by the admin API", spec.name)
+            return t
+        if spec.datacenter not in self.cfg.topology.datacenters:
+            raise APIError(400, f"unknown datacenter {spec.datacenter!r}; known: "
+                           f"{sorted(self.cfg.topology.datacenters)}", param="datacenter", code="unknown_datacenter")
+        if spec.role == "decode" and spec.datacenter != self.local:
+            raise APIError(400, f"decode instances serve the local datacenter {self.local!r}", param="datacenter",
+                           code="invalid_value")
+        if spec.role == "decode" and spec.kv_port is None:
+            raise APIError(400, "a decode instance needs kv_port (where prefill sends its KV)", param="kv_port",
+                           code="missing_field")
+        inst = Instance(spec.name, spec.role, spec.datacenter, spec.host, spec.port, spec.kv_port)
+        t = self.workers[spec.name] = _Tracked(inst, inst.url, dynamic=True)
+        log.warning("instance %s (%s in %s at %s) added by the admin API; routing to it once it is ready",
+                    spec.name, spec.role, spec.datacenter, inst.url)
+        return t
+
+    def drain(self, name: str) -> _Tracked:
+        """Scale in: stop routing new requests to `name`; it is `drained` once a probe sees it empty."""
+        t = self.workers.get(name)
+        if t is None:
+            raise APIError(404, f"no instance named {name!r}; known: {sorted(self.workers)}", param="name",
+                           code="unknown_instance")
+        if t.inst.role == "decode" and t.state == "active" and not any(
+                o.inst.role == "decode" and o.state == "active" for o in self.workers.values() if o is not t):
+            raise APIError(409, f"{name} is the last active decode instance; add another before removing it",
+                           param="name", code="last_decode_instance")
+        if t.state == "active":
+            t.state = "draining"
+            log.warning("instance %s draining (admin API): no new requests; %d in flight", name, t.queue_depth)
+        return t
+
+    def endpoints(self, route: Route) -> dict[str, Endpoint]:
+        """Addresses of the route's instances that other processes cannot find in the config file."""
+        out: dict[str, Endpoint] = {}
+        for name in (route.prefill, route.decode, *route.fallbacks):
+            t = self.workers.get(name)
+            if t is not None and t.dynamic:
+                i = t.inst
+                out[name] = Endpoint(role=i.role, datacenter=i.datacenter, host=i.host, port=i.port,  # type: ignore[arg-type]
+                                     kv_port=i.kv_port)
+        return out
+
+    def instance_dict(self, t: _Tracked) -> dict[str, object]:
+        return {"role": t.inst.role, "datacenter": t.inst.datacenter, "url": t.inst.url, "state": t.state,
+                "added_at_run_time": t.dynamic, "healthy": t.healthy, "ready": t.ready,
+                "queue_depth": t.queue_depth, "capacity": t.capacity, "failures": t.failures,
+                "last_error": t.last_error, "kv": t.kv}
 
     def note_routed(self, name: str) -> None:
         t = self.workers.get(name)
@@ -174,12 +255,7 @@ class ClusterState:
         return {
             "local_datacenter": self.local,
             "probe_rounds": self.rounds,
-            "instances": {
-                n: {"role": t.inst.role, "datacenter": t.inst.datacenter, "healthy": t.healthy, "ready": t.ready,
-                    "queue_depth": t.queue_depth, "capacity": t.capacity, "failures": t.failures,
-                    "last_error": t.last_error, "kv": t.kv}
-                for n, t in self.workers.items()
-            },
+            "instances": {n: self.instance_dict(t) for n, t in self.workers.items()},
             "links": {
                 dc: {"up": lk.up, "latency_ms": lk.latency_ms, "bandwidth_gbps": lk.bandwidth_gbps,
                      "configured_bandwidth_gbps": lk.configured_gbps, "goodput_gbps": lk.goodput_gbps,
@@ -257,7 +333,11 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
             metrics.fallbacks.labels("routing").inc()
             log.warning("request %s degraded at routing: %s", q.request_id, r.degradation_reason)
         log.info("route %s: %s prefill=%s decode=%s (%s)", q.request_id, r.kind, r.prefill, r.decode, r.reason)
-        return dataclasses.asdict(r)
+        out: dict[str, object] = dataclasses.asdict(r)
+        endpoints = state.endpoints(r)
+        if endpoints:
+            out["endpoints"] = {n: e.model_dump() for n, e in endpoints.items()}
+        return out
 
     @app.post("/v1/report/transfer")
     async def report(request: Request) -> dict[str, bool]:
@@ -274,6 +354,20 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         link.bandwidth_gbps = body.bandwidth_gbps
         log.warning("link %s: bandwidth set to %g Gbit/s by the admin API", datacenter, body.bandwidth_gbps)
         return state.as_dict()["links"][datacenter]  # type: ignore[index]
+
+    @app.get("/v1/admin/instances")
+    async def list_instances() -> dict[str, object]:
+        return {n: state.instance_dict(t) for n, t in state.workers.items()}
+
+    @app.post("/v1/admin/instances")
+    async def add_instance(request: Request) -> dict[str, object]:
+        t = state.add(await parse_body(request, InstanceSpec))
+        return {"name": t.inst.name, **state.instance_dict(t)}
+
+    @app.delete("/v1/admin/instances/{name}")
+    async def drain_instance(name: str) -> dict[str, object]:
+        t = state.drain(name)
+        return {"name": name, **state.instance_dict(t)}
 
     @app.get("/v1/admin/cluster")
     async def cluster() -> dict[str, object]:
