@@ -77,6 +77,22 @@ class Reschedule(Exception):
         self.error = error
 
 
+class DecodeSilent(httpx.TransportError):
+    """The decode instance serving a request stopped answering (hung, stopped, or cut off)."""
+
+
+_WATCH_S = 2.0  # a wait on decode longer than this starts health checks of that decode
+_WATCH_TIMEOUT_S = 5.0  # generous: a busy decode is slow, a stopped one never answers
+_WATCH_MISSES = 3  # unanswered health checks in a row before decode counts as silent
+
+
+async def _next_line(lines: AsyncIterator[str]) -> str | None:
+    try:
+        return await anext(lines)
+    except StopAsyncIteration:
+        return None
+
+
 class Backoff:
     """Exponential backoff with full jitter, bounded by a time budget (`serving.retry_budget_s`)."""
 
@@ -252,6 +268,46 @@ class Gateway:
                     raise exc.error from None
                 self.note_reschedule(job, exc, avoid)
 
+    async def watched(self, aw: Awaitable[T], decode_url: str, name: str) -> T:
+        """Await `aw` while checking that decode still answers when it takes long (M8.4, "decode silent").
+
+        A decode that is hung or stopped keeps its TCP connection open, so the stream alone would
+        wait up to the request deadline; after `_WATCH_MISSES` unanswered `/healthz` checks the
+        wait ends with `DecodeSilent` (rescheduled before the first token, an explicit error after).
+        """
+        assert self.http is not None
+        task = asyncio.ensure_future(aw)
+        probe: asyncio.Future[bool] | None = None
+        misses = 0
+        try:
+            while True:
+                waits: set[asyncio.Future[Any]] = {task} if probe is None else {task, probe}
+                done, _ = await asyncio.wait(waits, timeout=_WATCH_S if probe is None else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                if probe is None:
+                    probe = asyncio.ensure_future(self._answers(decode_url))
+                elif probe.done():
+                    misses = 0 if probe.result() else misses + 1
+                    probe = None
+                    if misses >= _WATCH_MISSES:
+                        self.metrics.errors.labels("decode_silent").inc()
+                        raise DecodeSilent(f"decode instance {name} stopped answering ({misses} health checks "
+                                           "unanswered)")
+        finally:
+            for fut in (task, probe):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+                    await asyncio.gather(fut, return_exceptions=True)
+
+    async def _answers(self, url: str) -> bool:
+        assert self.http is not None
+        try:
+            return (await self.http.get(url + "/healthz", timeout=_WATCH_TIMEOUT_S)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def note_reschedule(self, job: _Job, exc: Reschedule, avoid: list[str]) -> None:
         if exc.decode not in avoid:
             avoid.append(exc.decode)
@@ -272,10 +328,11 @@ class Gateway:
                          deadline_s=self.cfg.serving.request_timeout_s, endpoints=endpoints)
         routed_ms = (time.perf_counter() - job.arrived) * 1000
         stack = contextlib.AsyncExitStack()
-        try:
+
+        async def open_stream() -> tuple[AsyncIterator[str], Routed | Delta | Done | ErrorEvent]:
             try:
                 resp = await stack.enter_async_context(
-                    self.http.stream("POST", dec_url + "/v1/decode", content=djob.model_dump_json(),
+                    self.http.stream("POST", dec_url + "/v1/decode", content=djob.model_dump_json(),  # type: ignore[union-attr]
                                      headers={"content-type": "application/json"}))
             except httpx.HTTPError as exc:
                 raise Reschedule(route.decode, APIError(
@@ -291,10 +348,16 @@ class Gateway:
             try:
                 while not (line := await anext(lines)):
                     pass
-                first = parse_decode_event(line)
+                return lines, parse_decode_event(line)
             except (StopAsyncIteration, httpx.HTTPError, ValueError) as exc:
                 raise Reschedule(route.decode, APIError(502, f"decode instance {route.decode} ended the stream early: "
-                                                    f"{exc!r}", code="decode_failed")) from None
+                                                        f"{exc!r}", code="decode_failed")) from None
+
+        try:
+            try:
+                lines, first = await self.watched(open_stream(), dec_url, route.decode)
+            except DecodeSilent as exc:
+                raise Reschedule(route.decode, APIError(504, str(exc), code="decode_silent")) from None
         except BaseException:
             # Covers cancellation too (client gone): closing the stream makes decode abort everywhere.
             await stack.aclose()
@@ -302,7 +365,7 @@ class Gateway:
 
         async def events() -> AsyncIterator[Routed | Delta | Done | ErrorEvent]:
             try:
-                async for line in lines:
+                while (line := await self.watched(_next_line(lines), dec_url, route.decode)) is not None:
                     if line:
                         yield parse_decode_event(line)
             finally:

@@ -181,3 +181,39 @@ def test_a_request_survives_the_decode_worker_dying_before_its_first_token(up: U
     info = r.json()["crossfill"]
     assert "rescheduled after decode here-decode-0" in info["degradation_reason"], info
     assert up.pid_of(DECODE) not in (None, old_pid)
+
+
+def _gateway_counter(up: Up, line_prefix: str) -> float:
+    for line in httpx.get(up.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(line_prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_silent_decode_is_detected_and_the_request_rescheduled(up: Up) -> None:
+    """SIGSTOP (a hung decode keeps its connections open): the gateway notices by health checks, not a deadline."""
+    silent = 'crossfill_errors_total{code="decode_silent"}'
+    before = _gateway_counter(up, silent)
+    control = next(f"http://{c.listen_host}:{c.control_port}" for c in up.cfg.crossings()
+                   if c.target == DECODE and c.kind == "kv")
+    pid = up.pid_of(DECODE)
+    assert pid is not None
+    arm(control, stall_ms=600_000)
+    stopped = False
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(generate, up.url, LONG, "remote_preferred", 8, ignore_eos=True, tenant_id="silent")
+            up.wait_for("the request is waiting for its KV", lambda: up.stats(DECODE)["queue_depth"] > 0)
+            psutil.Process(pid).suspend()
+            stopped = True
+            up.wait_for("the gateway declares decode silent", lambda: _gateway_counter(up, silent) > before)
+            disarm(control)
+            psutil.Process(pid).resume()
+            stopped = False
+            r = fut.result()
+    finally:
+        if stopped:
+            psutil.Process(pid).resume()
+        disarm(control)
+    assert r.status_code == 200, r.text
+    assert "stopped answering" in r.json()["crossfill"]["degradation_reason"]
