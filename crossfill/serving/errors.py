@@ -6,6 +6,7 @@ worker's refusal) always learns which field was wrong or why it was refused, nev
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any, TypeVar
@@ -112,8 +113,49 @@ async def parse_body(request: Request, model: type[M]) -> M:
         raise validation_error(exc) from None
 
 
+class JSONWhenCancelled:
+    """ASGI middleware: a request cancelled before its response started still gets a JSON error.
+
+    uvicorn cancels the requests left when a graceful shutdown runs out of time and answers them
+    with a plain-text "500 Internal Server Error". Cancellation arrives once, so this can still
+    send a 503 in the error schema (the caller retries it elsewhere) before letting it go on.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            if not started:
+                err = APIError(503, "the service is shutting down; retry the request", code="shutting_down",
+                               retry_after=1)
+                body = json.dumps(err.body()).encode()
+                headers = [(b"content-type", b"application/json"), (b"retry-after", b"1"),
+                           (b"content-length", str(len(body)).encode())]
+                try:
+                    await send({"type": "http.response.start", "status": 503, "headers": headers})
+                    await send({"type": "http.response.body", "body": body})
+                except Exception:  # noqa: BLE001 - the connection is gone too: nobody to answer
+                    pass
+            raise
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Map every failure to an OpenAI error body; unexpected exceptions become a logged 500 body."""
+    app.add_middleware(JSONWhenCancelled)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
