@@ -20,13 +20,14 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.serving.connector import DecodeConnector
 from crossfill.serving.errors import APIError, parse_body
 from crossfill.serving.kv_fetch import KVFetcher
 from crossfill.serving.protocol import DecodeJob, Delta, Done, ErrorEvent, Routed, RouteInfo, Usage, ndjson
+from crossfill.serving.streaming import ClosingStreamingResponse, cancel_and_wait, shielded
 from crossfill.serving.worker_common import WorkerBase
 
 log = logging.getLogger("crossfill.decode")
@@ -166,7 +167,7 @@ class DecodeWorker(WorkerBase):
                 log.info("decode %s: client went away, aborting", job.request_id)
             if engine_id is not None and not engine_done:
                 try:
-                    await asyncio.shield(self.engine.abort(engine_id))
+                    await shielded(self.engine.abort(engine_id))
                 except Exception as exc:  # noqa: BLE001 - logged and counted; the request is over
                     self.metrics.cleanup_failures.labels("engine_abort").inc()
                     log.warning("decode %s: aborting %s failed: %s", job.request_id, engine_id, exc)
@@ -204,7 +205,7 @@ def create_decode_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None =
     app = worker.make_app("crossfill decode")
 
     @app.post("/v1/decode", response_model=None)
-    async def decode(request: Request) -> StreamingResponse | JSONResponse:
+    async def decode(request: Request) -> ClosingStreamingResponse | JSONResponse:
         job = await parse_body(request, DecodeJob)
         worker.admit("decode_full", f"decode instance {inst.name} is at max_concurrent_requests ({worker.capacity})")
         worker.supersede(job.request_id)
@@ -216,8 +217,7 @@ def create_decode_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None =
         while not step.done():
             await asyncio.wait({step}, timeout=0.1)
             if not step.done() and await request.is_disconnected():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
+                await cancel_and_wait(step)
                 await gen.aclose()
                 return JSONResponse({"error": {"message": "caller went away", "type": "client_closed",
                                                "param": None, "code": "client_closed"}}, status_code=499)
@@ -232,10 +232,13 @@ def create_decode_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None =
                                 headers={"Retry-After": str(err.retry_after)} if err.retry_after else None)
 
         async def body() -> AsyncIterator[bytes]:
-            yield first_chunk
-            async for chunk in gen:
-                yield chunk
+            try:
+                yield first_chunk
+                async for chunk in gen:
+                    yield chunk
+            finally:  # the gateway hung up: close the run, which aborts the engine request
+                await shielded(gen.aclose())
 
-        return StreamingResponse(body(), media_type="application/x-ndjson")
+        return ClosingStreamingResponse(body(), media_type="application/x-ndjson")
 
     return app

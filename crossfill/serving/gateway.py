@@ -60,6 +60,7 @@ from crossfill.serving.protocol import (
     RouteInfo,
     parse_decode_event,
 )
+from crossfill.serving.streaming import ClosingStreamingResponse, cancel_and_wait, shielded
 from crossfill.serving.worker_common import InFlight, drain, release_when_request_ends
 
 log = logging.getLogger("crossfill.gateway")
@@ -296,10 +297,7 @@ class Gateway:
                         raise DecodeSilent(f"decode instance {name} stopped answering ({misses} health checks "
                                            "unanswered)")
         finally:
-            for fut in (task, probe):
-                if fut is not None and not fut.done():
-                    fut.cancel()
-                    await asyncio.gather(fut, return_exceptions=True)
+            await cancel_and_wait(task, probe)
 
     async def _answers(self, url: str) -> bool:
         assert self.http is not None
@@ -360,7 +358,7 @@ class Gateway:
                 raise Reschedule(route.decode, APIError(504, str(exc), code="decode_silent")) from None
         except BaseException:
             # Covers cancellation too (client gone): closing the stream makes decode abort everywhere.
-            await stack.aclose()
+            await shielded(stack.aclose())
             raise
 
         async def events() -> AsyncIterator[Routed | Delta | Done | ErrorEvent]:
@@ -369,7 +367,7 @@ class Gateway:
                     if line:
                         yield parse_decode_event(line)
             finally:
-                await stack.aclose()
+                await shielded(stack.aclose())
 
         it = events()
         crossfill = first.crossfill if isinstance(first, Routed | ErrorEvent) else None
@@ -533,8 +531,9 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         try:
             if job.fields.stream:
                 info, events = await until_disconnect(request, gw.submit(job, backoff, avoid))
-                return StreamingResponse(stream(job, info, events), media_type="text/event-stream",
-                                         headers={"x-crossfill-route": info.header(), "x-request-id": job.request_id})
+                return ClosingStreamingResponse(stream(job, info, events), media_type="text/event-stream",
+                                                headers={"x-crossfill-route": info.header(),
+                                                         "x-request-id": job.request_id})
             return await until_disconnect(request, complete(job, backoff, avoid))
         except APIError as exc:
             gw.metrics.errors.labels(exc.code or "error").inc()
@@ -577,7 +576,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             raise Reschedule(info.decode_instance or "?", APIError(
                 502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed")) from None
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await shielded(events.aclose())  # type: ignore[attr-defined]
         raise Reschedule(info.decode_instance or "?", APIError(502, "decode stream ended without a result",
                                                                 code="decode_failed"))
 
@@ -620,7 +619,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             yield _sse(err.body())
             yield b"data: [DONE]\n\n"
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await shielded(events.aclose())  # type: ignore[attr-defined]
 
     return app
 
@@ -644,9 +643,7 @@ async def until_disconnect(request: Request, coro: Awaitable[T]) -> T:
                 log.info("client disconnected from %s before the answer; aborting", request.url.path)
                 raise ClientGone()
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
 
 
 def _usage(ev: Done) -> dict[str, int]:

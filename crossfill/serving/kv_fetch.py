@@ -30,6 +30,7 @@ from crossfill.serving.errors import APIError
 from crossfill.serving.metrics import ServingMetrics
 from crossfill.serving.prefill_client import AttemptFailed, call_prefill
 from crossfill.serving.protocol import DecodeJob, FirstToken, PrefillDone, PrefillJob, RouteInfo
+from crossfill.serving.streaming import cancel_and_wait, shielded
 
 log = logging.getLogger("crossfill.decode")
 
@@ -169,7 +170,7 @@ class KVFetcher:
             if not ok:
                 self.connector.cancel(cache_id, "attempt abandoned by decode")
                 try:
-                    await asyncio.shield(res.handle.abort())
+                    await shielded(res.handle.abort())
                 except Exception as exc:  # noqa: BLE001 - logged and counted, the attempt is over anyway
                     self.metrics.cleanup_failures.labels("import_abort").inc()
                     log.warning("decode %s: aborting import %s failed: %s", job.request_id, cache_id, exc)
@@ -213,9 +214,7 @@ class KVFetcher:
             raise AttemptFailed(f"KV transfer failed: {exc}") from None
         finally:
             if not got_both:
-                for t in (kv_task, pre_task):
-                    t.cancel()
-                await asyncio.gather(kv_task, pre_task, return_exceptions=True)
+                await cancel_and_wait(kv_task, pre_task)
         self._finish_in_background(pre_task, name)
         return first_fut.result(), t_kv[0]
 

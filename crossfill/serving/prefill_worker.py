@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
@@ -43,6 +42,7 @@ from crossfill.serving.protocol import (
     PrefillJob,
     ndjson,
 )
+from crossfill.serving.streaming import ClosingStreamingResponse, shielded
 from crossfill.serving.worker_common import WorkerBase
 
 log = logging.getLogger("crossfill.prefill")
@@ -87,7 +87,7 @@ class PrefillWorker(WorkerBase):
             if not finished:
                 log.info("prefill %s: caller went away, aborting", job.request_id)
                 task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await shielded(asyncio.wait([task]))
 
     async def _prefill(self, job: PrefillJob, arrived: float,
                        events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent]) -> None:
@@ -151,7 +151,7 @@ class PrefillWorker(WorkerBase):
 
     async def _abort_engine(self, engine_id: str) -> None:
         try:
-            await asyncio.shield(self.engine.abort(engine_id))
+            await shielded(self.engine.abort(engine_id))
         except Exception as exc:  # noqa: BLE001 - logged and counted; the request is over
             self.metrics.cleanup_failures.labels("engine_abort").inc()
             log.warning("prefill: aborting %s failed: %s", engine_id, exc)
@@ -162,10 +162,10 @@ def create_prefill_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None 
     app = worker.make_app("crossfill prefill")
 
     @app.post("/v1/prefill")
-    async def prefill(request: Request) -> StreamingResponse:
+    async def prefill(request: Request) -> ClosingStreamingResponse:
         job = await parse_body(request, PrefillJob)
         worker.admit("prefill_queue_full",
                      f"prefill instance {inst.name} queue is full (max_queue_depth {worker.capacity})")
-        return StreamingResponse(worker.run(job), media_type="application/x-ndjson")
+        return ClosingStreamingResponse(worker.run(job), media_type="application/x-ndjson")
 
     return app
