@@ -234,6 +234,7 @@ class _Connection:
                 depart = max(tx.depart_at(len(data), now), emu._stall_until)
                 if depart > now:
                     await emu._hold_until(depart)
+                    depart = min(depart, loop.time())  # a disarm ended the hold early: leave now
                 delay = tx.one_way_delay(len(data)) + emu._reorder_delay()
                 deliver_at = max(depart + delay, last_delivery)  # never ahead of this connection's bytes
                 last_delivery = deliver_at

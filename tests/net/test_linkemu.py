@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import time
 
 import httpx
 import pytest
@@ -30,7 +31,7 @@ async def _send(port: int, nbytes: int, close: bool = True) -> None:
         await writer.wait_closed()
 
 
-async def _wait_for(predicate, timeout: float = 10.0) -> None:
+async def _wait_for(predicate, timeout: float = 30.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
@@ -38,32 +39,50 @@ async def _wait_for(predicate, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+# Shaping is measured in real time. The emulator never lets bytes through faster than the link
+# (checked on every run); a loaded machine can only make a run slower, so a rate below the link's is
+# checked on the best of a few runs: one run at the link's speed shows the emulator reaches it.
+TRIES = 3
+
+
+async def _rate(sink, port: int, connections: int, nbytes: int) -> float:
+    """Bits/s seen by the sink for `connections` x `nbytes` sent at once through the emulator at `port`."""
+    sink.received.clear()
+    sink.first = sink.last = None
+    await asyncio.gather(*(_send(port, nbytes) for _ in range(connections)))
+    await _wait_for(lambda: sink.total == connections * nbytes)
+    return connections * nbytes * 8 / (sink.last - sink.first)
+
+
 @pytest.mark.parametrize("mbit", [50, 200])
 async def test_throughput_matches_configured_bandwidth(sink, mbit):
     nbytes = mbit * 1_000_000 // 8  # about one second of link time
+    rates = []
     async with LinkEmulator(("127.0.0.1", sink.port), bandwidth=f"{mbit}mbit", latency="10ms") as emu:
-        await _send(emu.listen_port, nbytes)
-        await _wait_for(lambda: sink.total == nbytes)
-        rate = nbytes * 8 / (sink.last - sink.first)
-    assert rate == pytest.approx(mbit * 1e6, rel=0.15)
-    assert emu.counters.up.bytes_out == nbytes
+        while len(rates) < TRIES and not (rates and max(rates) >= 0.85 * mbit * 1e6):
+            rates.append(await _rate(sink, emu.listen_port, 1, nbytes))
+            assert rates[-1] <= 1.15 * mbit * 1e6, rates
+    assert max(rates) >= 0.85 * mbit * 1e6, rates
+    assert emu.counters.up.bytes_out == nbytes * len(rates)
 
 
 async def test_bandwidth_is_shared_by_connections_like_a_link(sink):
     nbytes = 1_500_000  # 3 MB total through 48 Mbit/s: ~0.5 s
+    rates = []
     async with LinkEmulator(("127.0.0.1", sink.port), bandwidth="48mbit") as emu:
-        await asyncio.gather(_send(emu.listen_port, nbytes), _send(emu.listen_port, nbytes))
-        await _wait_for(lambda: sink.total == 2 * nbytes)
-        rate = 2 * nbytes * 8 / (sink.last - sink.first)
-    assert rate == pytest.approx(48e6, rel=0.15)
+        while len(rates) < TRIES and not (rates and max(rates) >= 0.85 * 48e6):
+            rates.append(await _rate(sink, emu.listen_port, 2, nbytes))
+            assert rates[-1] <= 1.15 * 48e6, rates  # two connections share one link's rate
+    assert max(rates) >= 0.85 * 48e6, rates
 
 
 async def test_added_round_trip_is_twice_the_latency(echo_port):
     async with LinkEmulator(("127.0.0.1", echo_port), latency="30ms") as emu:
         reader, writer = await asyncio.open_connection("127.0.0.1", emu.listen_port)
-        rtts = [await ping(reader, writer) for _ in range(5)]
+        rtts = [await ping(reader, writer) for _ in range(7)]
         writer.close()
-    assert statistics.median(rtts) == pytest.approx(0.060, abs=0.012)
+    assert min(rtts) >= 0.0599, rtts  # every round trip pays the latency both ways
+    assert min(rtts) < 0.072, rtts  # and little more: the least of them, which load does not inflate
 
 
 async def test_jitter_spreads_delay_around_latency(echo_port):
@@ -72,8 +91,11 @@ async def test_jitter_spreads_delay_around_latency(echo_port):
         rtts = [await ping(reader, writer) for _ in range(12)]
         writer.close()
     assert max(rtts) - min(rtts) > 0.015  # two one-way delays, each uniform in 20..60 ms
-    assert 0.035 < min(rtts) and max(rtts) < 0.135
-    assert statistics.mean(rtts) == pytest.approx(0.080, abs=0.02)
+    assert 0.035 < min(rtts)  # a floor: never below the least delay both ways
+    # Above: at most 2 x 60 ms, and the mean near 80 ms; the room beyond is for a loaded machine,
+    # well short of what jitter counted twice (up to 160 ms) would give.
+    assert max(rtts) < 0.16, rtts
+    assert 0.06 < statistics.mean(rtts) < 0.11, rtts
 
 
 async def test_loss_costs_a_retransmission_delay_and_is_counted(echo_port):
@@ -124,13 +146,31 @@ async def test_stall_holds_traffic_for_t_ms(echo_port):
     async with LinkEmulator(("127.0.0.1", echo_port), latency="2ms") as emu:
         reader, writer = await asyncio.open_connection("127.0.0.1", emu.listen_port)
         before = await ping(reader, writer)
-        emu.arm(stall_ms=300)
+        emu.arm(stall_ms=1000)
         during = await ping(reader, writer)
         after = await ping(reader, writer)
         writer.close()
-    assert before < 0.05 and after < 0.05
-    assert 0.28 <= during < 0.6
+    # Outside the stall a round trip is a few ms (room for a loaded machine, far below the stall).
+    assert before < 0.25 and after < 0.25
+    assert 0.98 <= during < 1.5  # the stall's length, not twice it
     assert emu.counters.stalls == 1
+
+
+async def test_disarm_releases_what_a_long_stall_holds_at_once(echo_port):
+    # A stall far longer than the test: only the disarm can let the held round trip through, and
+    # the connection stays usable afterwards (nothing keeps the stall's departure time).
+    async with LinkEmulator(("127.0.0.1", echo_port), latency="2ms") as emu:
+        reader, writer = await asyncio.open_connection("127.0.0.1", emu.listen_port)
+        await ping(reader, writer)
+        sent = emu.counters.up.bytes_in
+        emu.arm(stall_ms=600_000)
+        held = asyncio.ensure_future(ping(reader, writer))
+        await _wait_for(lambda: emu.counters.up.bytes_in > sent)  # the emulator holds it now
+        assert not held.done()
+        emu.disarm()
+        await asyncio.wait_for(held, 30)
+        await asyncio.wait_for(ping(reader, writer), 30)
+        writer.close()
 
 
 async def test_bad_settings_name_the_field():
@@ -148,7 +188,7 @@ async def test_upstream_down_closes_the_client():
     async with LinkEmulator(("127.0.0.1", 1)) as emu:  # nothing listens on port 1
         reader, writer = await asyncio.open_connection("127.0.0.1", emu.listen_port)
         try:
-            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert await asyncio.wait_for(reader.read(), 30) == b""
         except ConnectionError:
             pass
         writer.close()
@@ -168,14 +208,17 @@ async def test_control_endpoint_over_http(echo_port):
             r = await http.post("/link", json={"latency": "40ms", "bandwidth": "100mbit", "loss": "0%"})
             assert r.status_code == 200 and r.json()["settings"]["bandwidth"] == "100mbit"
             slow = await ping(reader, writer)
-            assert fast < 0.03 and slow == pytest.approx(0.080, abs=0.02)
+            # 2 x 40 ms is a floor; before the change a round trip was far below it
+            assert fast < 0.06 and 0.0799 <= slow < 0.2, (fast, slow)
 
             counters = (await http.get("/link")).json()["counters"]
             assert counters["up"]["bytes_out"] == 128 and counters["connections_open"] == 1
 
+            t0 = time.perf_counter()
             r = await http.post("/faults", json={"stall_ms": 200})
-            assert r.status_code == 200 and r.json()["faults"]["stall_remaining_ms"] > 100
-            assert await ping(reader, writer) >= 0.2
+            assert r.status_code == 200 and r.json()["faults"]["stall_remaining_ms"] > 100  # armed, then answered
+            await ping(reader, writer)
+            assert time.perf_counter() - t0 >= 0.2  # the ping waited for the stall armed after t0
             writer.close()
 
             for body, field in [

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
+import socket
 import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import httpx
 
 SHORT = "The quick brown fox"
 # Well over the test cluster's long_context_threshold_tokens (64) with the tiny tokenizer.
 LONG = "Prefill is compute bound; decode is memory bandwidth bound. " * 12
+# A stall no test waits out: the test ends it (heal) once it saw what it waited for.
+FOREVER_MS = 600_000
 
 
 def generate(url: str, prompt: str, policy: str = "auto", max_tokens: int = 12, **extra: object) -> httpx.Response:
@@ -16,7 +24,15 @@ def generate(url: str, prompt: str, policy: str = "auto", max_tokens: int = 12, 
     return httpx.post(url + "/v1/generate", json=body, timeout=60)
 
 
-def wait_idle(cluster, names: list[str], timeout: float = 10.0) -> dict[str, dict]:
+def wait_until(what: str, predicate, timeout: float = 120.0) -> None:
+    """Poll `predicate()` until it holds; the timeout is only a safety net against a hang."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def wait_idle(cluster, names: list[str], timeout: float = 60.0) -> dict[str, dict]:
     """Poll GET /v1/admin/kv on each worker until no request is active and no block is in use."""
     deadline = time.monotonic() + timeout
     stats: dict[str, dict] = {}
@@ -37,6 +53,34 @@ def disarm(control_url: str) -> None:
     httpx.delete(control_url + "/faults", timeout=5)
 
 
+def heal(control_url: str) -> None:
+    """End a stall or partition the test armed: what it held moves on at once (DELETE /faults)."""
+    disarm(control_url)
+
+
 def set_link(control_url: str, **settings: object) -> None:
     r = httpx.post(control_url + "/link", json=settings, timeout=5)
     assert r.status_code == 200, r.text
+
+
+def counter(url: str, name: str) -> float:
+    """The value of a Prometheus counter without labels on `url`/metrics (0 before its first increment)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    m = re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+@contextlib.contextmanager
+def request_left_open(url: str, body: dict, path: str = "/v1/generate") -> Iterator[socket.socket]:
+    """POST `body` on a raw connection and keep it open; leaving the block closes it.
+
+    A client that goes away at the moment the test chooses, after an event it waited for, where a
+    short client timeout would race with the server's answer.
+    """
+    where = urlsplit(url)
+    data = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+        s.sendall(head + data)
+        yield s
