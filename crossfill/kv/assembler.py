@@ -80,8 +80,8 @@ class Assembly:
     inflight: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     raw_bytes: int = 0
     wire_bytes: int = 0
-    started: float = field(default_factory=time.monotonic)
-    last_activity: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=lambda: time.monotonic())  # looked up per call: a test clock applies
+    last_activity: float = field(default_factory=lambda: time.monotonic())
     done: asyncio.Future[Manifest] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     progress: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -292,6 +292,16 @@ class TransferTable:
         a = self.active[exp.cache_id] = Assembly(exp, self.counters)
         self.counters.add("transfers_expected")
         return a
+
+    def keep_alive(self, cache_id: str) -> bool:
+        """The sender says, out of band, that it is still preparing `cache_id` (queued, prefilling):
+        restart the silence timer of a transfer whose manifest has not come yet. Once frames flow,
+        only frames count, so a stalled link is still noticed while its sender is well."""
+        a = self.active.get(cache_id)
+        if a is None or a.manifest is not None or a.finished:
+            return False
+        a.touch()
+        return True
 
     def lookup(self, cache_id: str) -> Assembly | None:
         """The transfer, whether still expected or recently finished."""

@@ -159,6 +159,11 @@ class ReceiveBackend(abc.ABC):
     def transfer_bytes(self, cache_id: str) -> tuple[int, int]:
         """(raw, wire) payload bytes accepted for a current or recently finished transfer; (0, 0) if unknown."""
 
+    def keep_alive(self, cache_id: str) -> bool:
+        """The sender is alive but has not started sending `cache_id` (its prefill is queued):
+        restart the wait for the manifest. True when the receiver acted on it."""
+        return False
+
     def notify(self, cache_id: str) -> bool:
         """Hint that the sender committed `cache_id` (e.g. from the control channel); True when
         the receiver acted on it.  Only receivers that poll need it; the default ignores it."""

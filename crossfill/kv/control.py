@@ -112,6 +112,9 @@ class ControlServer(Listens, ReceiveBackend):
         finally:
             self._retire(cache_id)
 
+    def keep_alive(self, cache_id: str) -> bool:
+        return self.transfers.keep_alive(cache_id)
+
     def cancel(self, cache_id: str, reason: str = "cancelled by decode") -> None:
         a = self.transfers.active.get(cache_id)
         if a is not None:

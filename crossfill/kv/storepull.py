@@ -324,6 +324,9 @@ class StorePullReceiver(ReceiveBackend):
             self._pulls.pop(cache_id, None)
             self.transfers.retire(cache_id)
 
+    def keep_alive(self, cache_id: str) -> bool:
+        return self.transfers.keep_alive(cache_id)
+
     def notify(self, cache_id: str) -> bool:
         """Wake-up hint: objects of `cache_id` have (probably) landed, e.g. prefill's commit.
 

@@ -248,6 +248,10 @@ class DecodeConnector:
         """The sender says it committed: a store puller may look now instead of at its next poll."""
         self._rx().notify(cache_id)
 
+    def keep_alive(self, cache_id: str) -> None:
+        """Prefill reported in (accepted, queued, heartbeat) before sending: its KV is not late yet."""
+        self._rx().keep_alive(cache_id)
+
     def cancel(self, cache_id: str, reason: str) -> None:
         self._rx().cancel(cache_id, reason)
 

@@ -13,7 +13,15 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
-from crossfill.serving.protocol import ErrorEvent, FirstToken, PrefillDone, PrefillJob, parse_prefill_event
+from crossfill.serving.protocol import (
+    Accepted,
+    Alive,
+    ErrorEvent,
+    FirstToken,
+    PrefillDone,
+    PrefillJob,
+    parse_prefill_event,
+)
 
 
 class AttemptFailed(Exception):
@@ -27,8 +35,10 @@ class AttemptFailed(Exception):
 
 
 async def call_prefill(http: httpx.AsyncClient, url: str, job: PrefillJob, timeout_s: float,
-                       on_first: Callable[[FirstToken | PrefillDone], None]) -> PrefillDone:
-    """Run `job` on the prefill at `url`; `on_first` gets the first token as soon as it is known."""
+                       on_first: Callable[[FirstToken | PrefillDone], None],
+                       on_alive: Callable[[], None] | None = None) -> PrefillDone:
+    """Run `job` on the prefill at `url`; `on_first` gets the first token as soon as it is known,
+    `on_alive` each sign of life before it (accepted, heartbeat while queued or computing)."""
     first_seen = False
     try:
         async with http.stream("POST", url + "/v1/prefill", content=job.model_dump_json(),
@@ -56,6 +66,8 @@ async def call_prefill(http: httpx.AsyncClient, url: str, job: PrefillJob, timeo
                 if not line:
                     continue
                 ev = parse_prefill_event(line)
+                if on_alive is not None and not first_seen and isinstance(ev, Accepted | Alive):
+                    on_alive()
                 if isinstance(ev, FirstToken | PrefillDone) and not first_seen:
                     first_seen = True
                     on_first(ev)
