@@ -33,3 +33,29 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Reliability (issue 10): the chaos matrix and the soak, against a cluster of their own (examples/chaos.yaml).
+.PHONY: chaos soak test-loaded
+CHAOS_CONFIG ?= examples/chaos.yaml
+MINUTES ?= 10
+RUNS ?= 10
+
+chaos: $(STAMP)
+	$(BIN)/crossfill models pull smollm2-135m
+	$(BIN)/crossfill chaos --config $(CHAOS_CONFIG) --out out/chaos --json out/chaos/chaos.json --markdown out/chaos/chaos.md
+
+soak: $(STAMP)
+	$(BIN)/crossfill models pull smollm2-135m
+	$(BIN)/crossfill soak --config $(CHAOS_CONFIG) --minutes $(MINUTES) --out out/soak
+
+# The flake check: `make test` RUNS times in a row while a busy loop keeps every core loaded.
+test-loaded: $(STAMP)
+	@mkdir -p out
+	@burners=""; for _ in $$(seq $$(nproc)); do sh -c 'while :; do :; done' & burners="$$burners $$!"; done; \
+	trap 'kill $$burners 2>/dev/null' EXIT INT TERM; \
+	for i in $$(seq $(RUNS)); do \
+	  start=$$(date +%s); \
+	  $(MAKE) --no-print-directory test > out/test-loaded-$$i.log 2>&1 \
+	    || { echo "run $$i/$(RUNS): FAILED after $$(( $$(date +%s) - start )) s (out/test-loaded-$$i.log)"; exit 1; }; \
+	  echo "run $$i/$(RUNS): passed in $$(( $$(date +%s) - start )) s, beside $$(nproc) busy loops"; \
+	done

@@ -24,6 +24,7 @@ _COMMAND_PACKAGES = (
     "crossfill.net",
     "crossfill.planner",
     "crossfill.serving",
+    "crossfill.reliability",
 )
 
 for _package in _COMMAND_PACKAGES:

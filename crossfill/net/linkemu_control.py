@@ -4,9 +4,12 @@
     POST /link    change any of {"bandwidth", "latency", "jitter", "loss"} (same units as the CLI;
                   numbers: bandwidth in bits/s, latency/jitter in ms, loss as a fraction;
                   "bandwidth": null removes the limit)
-    POST /faults  arm {"cut_after_bytes": N}, {"corrupt_bytes": K}, {"stall_ms": T}, optionally with
-                  "direction": "up" (client -> upstream, the default) or "down"
-    DELETE /faults  disarm everything
+    POST /faults  arm {"cut_after_bytes": N}, {"corrupt_bytes": K}, {"stall_ms": T},
+                  {"partition_ms": T} (the link is down: nothing crosses, new connections are held)
+                  or {"reorder_ms": R} (extra per-chunk delay up to R ms until disarmed; 0 turns it
+                  off), optionally with "direction": "up" (client -> upstream, the default) or
+                  "down" for cut and corrupt
+    DELETE /faults  disarm everything (ends a stall or partition at once)
 
 A bad body is answered 400 with {"error": ..., "field": <the offending field>}.
 """
@@ -48,13 +51,18 @@ class FaultRequest(BaseModel):
     cut_after_bytes: StrictInt | None = Field(default=None, ge=0)
     corrupt_bytes: StrictInt | None = Field(default=None, ge=0)
     stall_ms: StrictInt | StrictFloat | None = Field(default=None, ge=0)
+    partition_ms: StrictInt | StrictFloat | None = Field(default=None, ge=0)
+    reorder_ms: StrictInt | StrictFloat | None = Field(default=None, ge=0)
     direction: Literal["up", "down"] = "up"
 
     @model_validator(mode="after")
     def _one_fault(self) -> FaultRequest:
-        if self.cut_after_bytes is None and self.corrupt_bytes is None and self.stall_ms is None:
-            raise ValueError("arm at least one of cut_after_bytes, corrupt_bytes, stall_ms")
+        if all(getattr(self, name) is None for name in _FAULTS):
+            raise ValueError(f"arm at least one of {', '.join(_FAULTS)}")
         return self
+
+
+_FAULTS = ("cut_after_bytes", "corrupt_bytes", "stall_ms", "partition_ms", "reorder_ms")
 
 
 _PARSERS = {
@@ -108,6 +116,8 @@ def build_app(emu: LinkEmulator) -> FastAPI:
             corrupt_bytes=body.corrupt_bytes,
             stall_ms=body.stall_ms,
             direction=body.direction,
+            partition_ms=body.partition_ms,
+            reorder_ms=body.reorder_ms,
         )
         return emu.status()
 

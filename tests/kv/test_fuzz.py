@@ -73,12 +73,12 @@ async def _feed(codec: str, data: bytes) -> tuple[str, Collector, list]:
     sink = Collector()
     async with KVReceiver() as rx:
         rx.expect(expectation(m.cache_id, sink, fingerprint=FINGERPRINT, token_digest=token_digest(range(TOKENS)),
-                  tenant="tenant-a", timeout_ms=2000))
+                  tenant="tenant-a", timeout_ms=60_000))
         reader, writer = await asyncio.open_connection("127.0.0.1", rx.port)
         writer.write(data)
         await writer.drain()
         writer.write_eof()
-        await asyncio.wait_for(reader.read(), 5)  # the receiver answers everything, then hangs up
+        await asyncio.wait_for(reader.read(), 30)  # the receiver answers everything, then hangs up (at EOF)
         writer.close()
         status = rx.status(m.cache_id)
     return status, sink, errors

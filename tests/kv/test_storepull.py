@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import threading
 import time
 
 import pytest
 
 from crossfill.engine.types import LayerKVChunk
+from crossfill.kv import storepull
 from crossfill.kv.errors import Reason, TransferError
 from crossfill.kv.store import EmbeddedStore, StoreUnavailableError
 from crossfill.kv.store.remote import RemoteStore
@@ -29,6 +29,23 @@ from .helpers import (
 
 pytestmark = pytest.mark.timeout(60)
 TOKENS = 100
+# Bounds no test waits out. A wait that ends far below them was ended by what the test is about
+# (a put's notification, a hint, a shorter deadline), not by a re-check, a poll or a timeout.
+NEVER_MS = 120_000
+RECHECK_S = 45.0
+
+
+@pytest.fixture
+def slow_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watching puller re-reads a key only when a put of it is reported, or after RECHECK_S."""
+    monkeypatch.setattr(storepull, "_WATCH_RECHECK_S", RECHECK_S)
+
+
+async def _until(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.005)
 
 
 def _mooncake_missing() -> str | None:
@@ -124,7 +141,7 @@ async def test_corrupted_stored_frame_is_refused_and_the_bad_cache_removed(store
     assert not store.exists(commit_key, tenant="tenant-a")
 
 
-async def test_pull_refuses_wrong_model_expired_and_missing_commit(store) -> None:
+async def test_pull_refuses_wrong_model_expired_and_missing_commit(store, monkeypatch: pytest.MonkeyPatch) -> None:
     specs = hybrid_specs(n=2)
     kv = make_kv(specs, TOKENS)
     m = build_manifest(specs, TOKENS, cache_id="other-model")
@@ -136,10 +153,13 @@ async def test_pull_refuses_wrong_model_expired_and_missing_commit(store) -> Non
         await rx.wait(m.cache_id)
     assert info.value.reason is Reason.FINGERPRINT_MISMATCH
 
+    # The objects outlive the manifest by far (at least _MIN_TTL_S in the store), however long the
+    # upload takes here; the manifest expires 0.3 s after it was built.
+    monkeypatch.setattr(storepull, "_MIN_TTL_S", 60.0)
     expired = build_manifest(specs, TOKENS, cache_id="expired", ttl_s=0.3)
-    await _upload(store, expired, kv)  # objects live at least 1 s in the store; the manifest 0.3 s
-    await asyncio.sleep(0.35)
-    _expect(rx, expired, sink, timeout_ms=500)
+    await _upload(store, expired, kv)
+    await _until(expired.is_expired)
+    _expect(rx, expired, sink, timeout_ms=NEVER_MS)
     with pytest.raises(TransferError) as info:
         await rx.wait("expired")
     assert info.value.reason is Reason.EXPIRED
@@ -237,38 +257,45 @@ def _put_all(store, objects, t_commit: list[float]) -> None:
         store.put(key, data, ttl_s=60, tenant="tenant-a")
 
 
-async def test_tail_after_commit_is_small_with_notifications() -> None:
+async def test_tail_after_commit_is_small_with_notifications(slow_recheck) -> None:
+    """Each object is read as its put is reported: the commit is seen when it lands, not at a re-check.
+
+    How small the tail is on an idle machine is the benchmark's to report; here the re-check is
+    far away (RECHECK_S) and nothing polls, so a tail far below it can only come from the put.
+    """
     store = EmbeddedStore(memory_capacity_bytes=64 << 20)
     clock = CommitClock(store)
     specs = hybrid_specs()
     kv = make_kv(specs, TOKENS)
-    rx = StorePullReceiver(clock)
+    rx = StorePullReceiver(clock, timeout_ms=NEVER_MS)
     tails = []
     for i in range(7):
         m = build_manifest(specs, TOKENS, cache_id=f"tail-{i}")
         _expect(rx, m, Collector())
-        await asyncio.sleep(0.02)  # decode is ready before prefill starts, as in serving
+        misses = rx.counters().get("store_misses", 0)
+        await _until(lambda misses=misses: rx.counters().get("store_misses", 0) > misses)  # decode waits first
         await _upload(clock, m, kv)
         await rx.wait(m.cache_id)
         tails.append(time.monotonic() - clock.commit_put_at[m.cache_id])
-    assert statistics.median(tails) < 0.020, f"tails (s): {tails}"
+    print(f"tails after the commit put (s): {tails}")
+    assert max(tails) < RECHECK_S / 3, f"tails (s): {tails}"
     assert store.watch_count() == 0
     assert rx.counters()["transfers_completed"] == 7
 
 
-async def test_waiting_on_notifications_does_not_poll_the_store() -> None:
+async def test_waiting_on_notifications_does_not_poll_the_store(slow_recheck) -> None:
     store = EmbeddedStore(memory_capacity_bytes=64 << 20)
     specs = hybrid_specs(n=3)
     kv = make_kv(specs, TOKENS)
     m = build_manifest(specs, TOKENS, cache_id="quiet")
     # Both pull the same objects, so neither deletes them after its pull.
-    rx = StorePullReceiver(store, delete_after_pull=False)
-    polling = StorePullReceiver(PollOnly(store), delete_after_pull=False)
+    rx = StorePullReceiver(store, delete_after_pull=False, timeout_ms=NEVER_MS)
+    polling = StorePullReceiver(PollOnly(store), delete_after_pull=False, timeout_ms=NEVER_MS)
     _expect(rx, m, Collector())
     _expect(polling, m, Collector())
-    await asyncio.sleep(0.3)  # prefill has not started yet
-    assert rx.counters()["store_gets"] == 1  # one read at expect(); then it sleeps until a put
-    assert polling.counters()["store_gets"] >= 5  # the baseline really polls
+    # Prefill has not started yet: the baseline really polls meanwhile...
+    await _until(lambda: polling.counters().get("store_gets", 0) >= 5)
+    assert rx.counters()["store_gets"] == 1  # ... while this one read once at expect() and sleeps until a put
     await _upload(store, m, kv)
     await polling.wait(m.cache_id)
     await rx.wait(m.cache_id)
@@ -276,16 +303,16 @@ async def test_waiting_on_notifications_does_not_poll_the_store() -> None:
     assert rx.counters()["store_gets"] <= 2 * (m.frame_count + 2)
 
 
-async def test_a_put_from_another_thread_wakes_the_puller() -> None:
+async def test_a_put_from_another_thread_wakes_the_puller(slow_recheck) -> None:
     store = EmbeddedStore(memory_capacity_bytes=64 << 20)
     specs = hybrid_specs(n=3)
     kv = make_kv(specs, TOKENS)
     m = build_manifest(specs, TOKENS, cache_id="threaded")
     objects = await _staged_objects(m, kv)
-    rx = StorePullReceiver(store)
+    rx = StorePullReceiver(store, timeout_ms=NEVER_MS)
     sink = Collector()
     _expect(rx, m, sink)
-    await asyncio.sleep(0.05)
+    await _until(lambda: rx.counters().get("store_misses", 0) >= 1)  # the puller found nothing and sleeps
     t_commit: list[float] = []
     writer = threading.Thread(target=_put_all, args=(store, objects, t_commit))
     writer.start()  # a plain thread, not the loop's executor: the wake-up must cross threads
@@ -293,15 +320,15 @@ async def test_a_put_from_another_thread_wakes_the_puller() -> None:
     tail = time.monotonic() - t_commit[0]
     writer.join()
     assert_identical(m, kv, sink)
-    assert tail < 0.25, f"tail {tail:.3f} s: woken by the 1 s re-check, not by the put"
+    assert tail < RECHECK_S / 3, f"tail {tail:.3f} s: woken by the re-check, not by the put"
     assert store.watch_count() == 0
 
 
-async def test_listeners_end_with_completion_failure_timeout_cancel_and_close() -> None:
+async def test_listeners_end_with_completion_failure_timeout_cancel_and_close(slow_recheck) -> None:
     store = EmbeddedStore(memory_capacity_bytes=64 << 20)
     specs = hybrid_specs(n=2)
     kv = make_kv(specs, TOKENS)
-    rx = StorePullReceiver(store)
+    rx = StorePullReceiver(store, timeout_ms=NEVER_MS)
 
     ok = build_manifest(specs, TOKENS, cache_id="ok")
     _expect(rx, ok, Collector())
@@ -321,7 +348,7 @@ async def test_listeners_end_with_completion_failure_timeout_cancel_and_close() 
     with pytest.raises(TransferError) as info:
         await rx.wait("never")
     assert info.value.reason is Reason.TIMEOUT
-    assert 0.19 < time.monotonic() - t0 < 0.6  # the sleep between reads ends at the deadline
+    assert 0.19 < time.monotonic() - t0 < RECHECK_S / 3  # the sleep between reads ends at the deadline
     assert store.watch_count() == 0
 
     rx.expect(expectation("cancelled", Collector(), tenant="tenant-a"))
@@ -346,17 +373,19 @@ async def test_listeners_end_with_completion_failure_timeout_cancel_and_close() 
 async def test_notify_hint_wakes_a_polling_puller_at_once(store) -> None:
     specs = hybrid_specs(n=2)
     kv = make_kv(specs, TOKENS)
-    rx = StorePullReceiver(PollOnly(store), poll_ms=500, max_poll_ms=500)
+    poll_s = 45.0  # no poll comes during the test: only the hint can wake the puller
+    rx = StorePullReceiver(PollOnly(store), poll_ms=poll_s * 1000, max_poll_ms=poll_s * 1000, timeout_ms=NEVER_MS)
     assert rx.notify("nobody") is False
     for cid, from_thread in (("hint-loop", False), ("hint-thread", True)):
         m = build_manifest(specs, TOKENS, cache_id=cid)
         objects = await _staged_objects(m, kv)
         sink = Collector()
+        misses = rx.counters().get("store_misses", 0)
         _expect(rx, m, sink)
-        await asyncio.sleep(0.02)
+        await _until(lambda misses=misses: rx.counters().get("store_misses", 0) > misses)  # read once, asleep
         gets = rx.counters()["store_gets"]
         await asyncio.to_thread(_put_all, store, objects, [])
-        assert rx.counters()["store_gets"] == gets  # asleep for 500 ms: polling has not seen it
+        assert rx.counters()["store_gets"] == gets  # asleep until its next poll: polling has not seen it
         t0 = time.monotonic()
         if from_thread:
             hinted: list[bool] = []
@@ -367,7 +396,7 @@ async def test_notify_hint_wakes_a_polling_puller_at_once(store) -> None:
         else:
             assert rx.notify(cid) is True
         assert (await rx.wait(cid)) == m
-        assert time.monotonic() - t0 < 0.3, "the hint did not wake the pull loop"
+        assert time.monotonic() - t0 < poll_s / 3, "the hint did not wake the pull loop"
         assert_identical(m, kv, sink)
     assert rx.notify("hint-loop") is False  # finished transfers ignore late hints
 

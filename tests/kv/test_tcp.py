@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import socket
 import time
 import weakref
@@ -44,6 +45,9 @@ from .helpers import (
 pytestmark = pytest.mark.timeout(60)
 
 TOKENS = 120
+# A silence bound no test waits out: a bound on elapsed time far below it shows that something
+# other than a timeout (a refusal, an abort, a shorter bound the test set) ended the wait.
+NEVER_MS = 120_000
 
 
 async def _send_all(sender: KVSender, manifest, kv, chunk_tokens: int = TOKENS):
@@ -134,7 +138,7 @@ async def test_mutual_tls_round_trip_and_rogue_client_refused(tls_files) -> None
         _expect(rx, m2, sink2)
         for ctx in (rogue, None):  # a certificate from another CA, then plain TCP
             with pytest.raises(TransferError) as info:
-                await _send_all(KVSender(rx.endpoint, tls=ctx, max_retry=1, timeout_ms=2000), m2, kv)
+                await _send_all(KVSender(rx.endpoint, tls=ctx, max_retry=1, timeout_ms=30_000), m2, kv)
             assert info.value.reason is Reason.CONNECTION
         assert sink2.calls == 0
 
@@ -157,9 +161,10 @@ async def test_unexpected_cache_id_is_refused_counted_and_sender_stops_after_max
     async with KVReceiver() as rx:
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="unknown_cache_id") as info:
-            await _send_all(KVSender(rx.endpoint, connections=2, max_retry=2, stripe_min_rtt_ms=0), m, kv)
+            await _send_all(KVSender(rx.endpoint, connections=2, max_retry=2, stripe_min_rtt_ms=0,
+                                     timeout_ms=NEVER_MS), m, kv)
         assert info.value.reason is Reason.UNKNOWN_CACHE_ID
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # the refusals ended it, not the sender's timeout
         # 2 streams x (1 try + 2 retries) manifests, plus the frames sent behind them, all refused
         assert rx.counters()["refused_unknown_cache_id"] >= 2 * 3
         assert "frames_accepted" not in rx.counters()
@@ -204,13 +209,13 @@ async def test_expired_cache_id_refused_before_any_write() -> None:
 
 
 async def test_wait_for_kv_that_never_comes_raises_on_deadline() -> None:
-    async with KVReceiver() as rx:
+    async with KVReceiver(timeout_ms=NEVER_MS) as rx:
         rx.expect(expectation("never", Collector(), timeout_ms=300))
         t0 = time.monotonic()
         with pytest.raises(TransferError) as info:
             await rx.wait("never")
         assert info.value.reason is Reason.TIMEOUT
-        assert 0.25 < time.monotonic() - t0 < 1.5
+        assert 0.25 < time.monotonic() - t0 < 30  # the expectation's 300 ms, not the receiver's default
         rx.expect(expectation("never-either", Collector(), timeout_ms=60_000, deadline=time.monotonic() + 0.2))
         with pytest.raises(TransferError, match="deadline"):
             await rx.wait("never-either")
@@ -223,7 +228,7 @@ async def test_sender_dying_mid_transfer_fails_the_receiver_within_its_deadline(
     specs = hybrid_specs(n=2)
     m = build_manifest(specs, TOKENS, frame_tokens=16)
     sink = Collector()
-    async with KVReceiver() as rx:
+    async with KVReceiver(timeout_ms=NEVER_MS) as rx:
         _expect(rx, m, sink, timeout_ms=400)
         # A sender process that crashes: manifest and one good frame, then the socket just closes.
         entry, start, end = m.slot(0)
@@ -236,7 +241,7 @@ async def test_sender_dying_mid_transfer_fails_the_receiver_within_its_deadline(
         with pytest.raises(TransferError) as info:
             await rx.wait(m.cache_id)
         assert info.value.reason is Reason.TIMEOUT
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 30  # the expectation's 400 ms, not the receiver's default
     assert sink.calls == 1  # it got one verified frame, and is told to discard it
 
 
@@ -245,7 +250,7 @@ async def test_sender_exception_aborts_the_receiver_at_once() -> None:
     kv = make_kv(specs, TOKENS)
     m = build_manifest(specs, TOKENS)
     async with KVReceiver() as rx:
-        _expect(rx, m, Collector(), timeout_ms=30_000)
+        _expect(rx, m, Collector(), timeout_ms=NEVER_MS)
         with pytest.raises(RuntimeError, match="prefill crashed"):
             async with KVSender(rx.endpoint).open(m) as tx:
                 await tx.send(LayerKVChunk(0, 0, *kv[0]))
@@ -255,7 +260,7 @@ async def test_sender_exception_aborts_the_receiver_at_once() -> None:
         with pytest.raises(TransferError) as info:
             await rx.wait(m.cache_id)
         assert info.value.reason is Reason.ABORTED and "prefill crashed" in str(info.value)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 30  # told at once, not left to time out
 
 
 async def test_flipped_payload_byte_is_refused_retransmitted_and_final_kv_identical() -> None:
@@ -286,7 +291,7 @@ async def test_link_faults_mid_transfer_recover_with_identical_kv(fault: dict) -
     async with KVReceiver() as rx:
         _expect(rx, m, sink)
         async with LinkEmulator(upstream=("127.0.0.1", rx.port), bandwidth="200mbit", latency="1ms") as emu:
-            sender = KVSender(f"127.0.0.1:{emu.listen_port}", connections=2, timeout_ms=2000)
+            sender = KVSender(f"127.0.0.1:{emu.listen_port}", connections=2, timeout_ms=30_000)
             async with sender.open(m) as tx:
                 await tx.send(LayerKVChunk(0, 0, *kv[0]))
                 await asyncio.sleep(0.05)
@@ -393,16 +398,18 @@ async def test_short_link_uses_one_stream_and_a_long_one_stripes() -> None:
     kv = make_kv(specs, TOKENS)
     async with KVReceiver() as rx:
         near = KVSender(rx.endpoint, connections=4)
-        for i in range(10):
+        deadline = time.monotonic() + 30
+        for i in itertools.count():
             # A loaded machine only delays answers (the measured round trip can only grow), so the
             # first transfers may stripe; the least round trip seen soon shows the link is short.
+            # The deadline is only a safety net: transfers go on until one round trip was short.
             m = build_manifest(specs, TOKENS, cache_id=f"near-{i}")
             sink = Collector()
             _expect(rx, m, sink)
             await _send_all(near, m, kv, chunk_tokens=30)
             await rx.wait(m.cache_id)
             assert_identical(m, kv, sink)
-            if near.rtt_s is not None and near.rtt_s < near.stripe_min_rtt_s:
+            if (near.rtt_s is not None and near.rtt_s < near.stripe_min_rtt_s) or time.monotonic() > deadline:
                 break
         assert near.rtt_s is not None and near.rtt_s < near.stripe_min_rtt_s
         m = build_manifest(specs, TOKENS, cache_id="near-last")

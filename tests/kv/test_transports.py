@@ -92,12 +92,12 @@ async def test_every_transport_round_trips_through_the_factories(request, tls_fi
     client_tls = client_context(tls_files.ca, tls_files.client_cert, tls_files.client_key) if tls else None
     te = request.getfixturevalue("te_engine") if name == "mooncake_te" else None
     store = EmbeddedStore(memory_capacity_bytes=64 << 20) if name == "store" else None
-    rx = make_receiver(name, host="127.0.0.1", port=0, tls=server_tls, timeout_ms=5000, store=store, te=te)
+    rx = make_receiver(name, host="127.0.0.1", port=0, tls=server_tls, timeout_ms=30_000, store=store, te=te)
     assert isinstance(rx, ReceiveBackend)
     async with rx:
         host, port = parse_endpoint(rx.address)
         # Prefill has no store of its own for 'store': it reaches decode's store server at the address.
-        tx = make_sender(name, endpoint=(host, port), tls=client_tls, connections=2, timeout_ms=5000, te=te)
+        tx = make_sender(name, endpoint=(host, port), tls=client_tls, connections=2, timeout_ms=30_000, te=te)
         assert isinstance(tx, TransferBackend)
         await _round_trip(rx, tx, f"factory-{transport}")
         await _round_trip(rx, tx, f"factory-{transport}-2", codec="int8+lz4")
@@ -159,8 +159,8 @@ async def test_shared_resources_from_the_config_words(tmp_path) -> None:
     decode_store = await open_shared("store", store="embedded", role="decode", segment_mb=8,
                                      disk_dir=str(tmp_path / "disk"), disk_mb=8)
     assert isinstance(decode_store, EmbeddedStore)
-    async with make_receiver("store", shared=decode_store, timeout_ms=5000) as rx:
-        tx = make_sender("store", endpoint=parse_endpoint(rx.address), shared=None, timeout_ms=5000)
+    async with make_receiver("store", shared=decode_store, timeout_ms=30_000) as rx:
+        tx = make_sender("store", endpoint=parse_endpoint(rx.address), shared=None, timeout_ms=30_000)
         await _round_trip(rx, tx, "shared-store")
         await tx.close()
     await close_shared(decode_store)
@@ -172,8 +172,8 @@ async def test_shared_te_engine(te_engine) -> None:
     check_available("mooncake_te")
     engine = await open_shared("mooncake_te")
     try:
-        async with make_receiver("mooncake_te", shared=engine, timeout_ms=5000) as rx:
-            tx = make_sender("mooncake_te", endpoint=parse_endpoint(rx.address), shared=engine, timeout_ms=5000)
+        async with make_receiver("mooncake_te", shared=engine, timeout_ms=30_000) as rx:
+            tx = make_sender("mooncake_te", endpoint=parse_endpoint(rx.address), shared=engine, timeout_ms=30_000)
             await _round_trip(rx, tx, "shared-te")
     finally:
         await close_shared(engine)

@@ -60,6 +60,28 @@ def free_port_block(n: int) -> int:
     raise RuntimeError(f"no block of {n} free ports in {first}..{last + n}")
 
 
+# Server-side timeouts of the test clusters. cluster_config() keeps short ones (kv_cache.timeout_ms
+# SHORT_KV_TIMEOUT_MS, an instance out of routing after two failed health checks): the tests of those
+# timeouts launch a cluster with them, and so do harnesses built on cluster_config() itself. Every
+# other cluster (launch_cluster, quiet_timeouts) gets timeouts that nothing a loaded machine does
+# can trip by accident:
+# - QUIET_KV_TIMEOUT_MS: the silence (no KV frame, no heartbeat from prefill) after which decode
+#   gives up on an attempt; far longer than any delay of a busy machine and than any fault a test
+#   holds on purpose (a stalled link the test itself ends), so no attempt fails unless a test says so.
+# - HEALTH_CHECK_FAILURES: probes in a row (each may wait 2 s) that take an instance out of
+#   routing; a killed instance still fails them within about a second (its port refuses at once).
+QUIET_KV_TIMEOUT_MS = 20_000
+SHORT_KV_TIMEOUT_MS = 1500
+HEALTH_CHECK_FAILURES = 5
+
+
+def quiet_timeouts(doc: dict) -> dict:
+    """`doc` (from cluster_config) with the timeouts that no accident trips."""
+    doc["inference_service"]["kv_cache"]["timeout_ms"] = QUIET_KV_TIMEOUT_MS
+    doc["serving"]["health_check_failures"] = HEALTH_CHECK_FAILURES
+    return doc
+
+
 def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
     svc = {
         "mode": "prefill_decode_disaggregated",
@@ -69,7 +91,7 @@ def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
                          "warmup_before_serving": True},
         "decode_pool": {"replicas": 1, "resource_class": "high_bandwidth", "max_concurrent_requests": 8},
         "kv_cache": {"compression_enabled": True, "compression_mode": "hybrid_attention", "checksum_enabled": True,
-                     "timeout_ms": 1500, "max_retry": 1},
+                     "timeout_ms": SHORT_KV_TIMEOUT_MS, "max_retry": 1},
         "network": {"min_bandwidth_gbps": 0.5, "max_latency_ms": 50, "isolated_transport_queue": True},
         "observability": {"metrics_enabled": True, "tracing_enabled": True, "log_level": "info"},
     }
@@ -129,15 +151,18 @@ class Cluster:
                 "--instance", name]
         new = Child(name, subprocess.Popen(args, start_new_session=True), inst.url + "/readyz")
         self.children[self.children.index(old)] = new
-        assert wait_ready([new], 60, [False]) is None
+        assert wait_ready([new], 300, [False]) is None
 
-    def wait_scheduler(self, predicate, timeout: float = 15.0) -> dict:
-        """Poll the scheduler's cluster view until `predicate(view)` holds."""
+    def wait_scheduler(self, predicate, timeout: float = 120.0) -> dict:
+        """Poll the scheduler's cluster view until `predicate(view)` holds (the timeout is a safety net)."""
         sched = self.cfg.topology.scheduler
         deadline = time.monotonic() + timeout
         view: dict = {}
         while time.monotonic() < deadline:
-            view = httpx.get(f"http://{sched.host}:{sched.port}/v1/admin/cluster", timeout=5).json()
+            try:
+                view = httpx.get(f"http://{sched.host}:{sched.port}/v1/admin/cluster", timeout=5).json()
+            except httpx.TimeoutException:  # a busy scheduler answers late: ask again
+                continue
             if predicate(view):
                 return view
             time.sleep(0.1)
@@ -148,9 +173,13 @@ class Cluster:
 def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memory_mb: int = 16,
                    model_overrides: dict | None = None, decode_kv_memory_mb: int | None = None,
                    **overrides: object) -> Iterator[Cluster]:
-    """Start a whole cluster (same code path as `crossfill up`), yield it, stop every process."""
+    """Start a whole cluster (same code path as `crossfill up`), yield it, stop every process.
+
+    Its timeouts are the quiet ones (see QUIET_KV_TIMEOUT_MS) unless a `kv_cache` override sets timeout_ms."""
     base = free_port_block(120)
+    overrides["kv_cache"] = {"timeout_ms": QUIET_KV_TIMEOUT_MS, **overrides.get("kv_cache", {})}  # type: ignore[dict-item]
     doc = cluster_config(Path(model), base, **overrides)
+    doc["serving"]["health_check_failures"] = HEALTH_CHECK_FAILURES
     doc["model"] = {"name": model, "served_name": served_name, "max_num_seqs": 8, **(model_overrides or {})}
     for rc in doc["resource_classes"].values():
         rc["kv_memory_mb"] = kv_memory_mb

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from serving_cluster import launch_cluster
-from serving_helpers import LONG, SHORT
+from serving_helpers import LONG, SHORT, wait_until
 
 from crossfill.engine.llm import LLM
 from crossfill.engine.sampling import SamplingParams
@@ -84,11 +85,12 @@ def test_decode_batches_requests_whose_kv_came_from_different_prefill_instances(
                                                                                             True, 400)))
                for p in alone}
     threads["remote_required"].start()
-    while cluster.kv("here-decode-0")["active_requests"] < 1:  # the remote one holds decode blocks
-        pass
+    # The remote one holds decode blocks; the local one starts while it has ~400 tokens to go.
+    wait_until("the remote request reached decode", lambda: cluster.kv("here-decode-0")["active_requests"] >= 1)
     threads["local_only"].start()
     while any(t.is_alive() for t in threads.values()):
         peak[0] = max(peak[0], cluster.kv("here-decode-0")["active_requests"])
+        time.sleep(0.005)  # the cluster shares the cores with this loop
     for t in threads.values():
         t.join()
     assert peak[0] == 2, "the two requests never decoded in the same batch"

@@ -6,10 +6,9 @@ import contextlib
 import json
 import signal
 import threading
-import time
 
 import httpx
-from serving_helpers import LONG, SHORT, arm, disarm, generate, set_link, wait_idle
+from serving_helpers import FOREVER_MS, LONG, SHORT, arm, generate, heal, set_link, wait_idle, wait_until
 
 WORKERS = ["here-prefill-0", "here-decode-0", "far-prefill-0"]
 
@@ -55,21 +54,23 @@ def test_link_below_min_bandwidth_keeps_long_prompts_local(cluster) -> None:
 
 
 def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(cluster) -> None:
-    # Hold the prefill request on the WAN (below timeout_ms, so decode still waits for it), kill the
-    # remote prefill meanwhile: the request arrives at a dead instance.
+    # Hold the prefill request on the WAN until the test ends the stall, kill the remote prefill
+    # meanwhile: the request arrives at a dead instance (decode waits for it: kv_cache.timeout_ms
+    # of the shared cluster is far longer than this test holds it).
     http_link = cluster.emulator_control("far-prefill-0", "http")
     decode_stats = cluster.worker_url("here-decode-0") + "/v1/admin/stats"
-    arm(http_link, stall_ms=1000)
+    arm(http_link, stall_ms=FOREVER_MS)
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=generate(cluster.url, LONG, max_tokens=8)))
     t.start()
     try:
-        deadline = time.monotonic() + 5
-        while httpx.get(decode_stats, timeout=5).json()["queue_depth"] < 1:  # decode is waiting for it
-            assert time.monotonic() < deadline, "the request never reached decode"
-            time.sleep(0.02)
-        cluster.child("far-prefill-0").proc.send_signal(signal.SIGKILL)
-        t.join(30)
+        wait_until("the request reached decode, which waits for its prefill",
+                   lambda: httpx.get(decode_stats, timeout=5).json()["queue_depth"] >= 1)
+        far = cluster.child("far-prefill-0").proc
+        far.send_signal(signal.SIGKILL)
+        far.wait(60)
+        heal(http_link)  # what the stall held now goes to a dead instance
+        t.join(120)
         assert not t.is_alive(), "request hung after its prefill instance died"
         info = route_of(result["r"])
         assert info["route"] == "local" and info["prefill_instance"] == "here-prefill-0"
@@ -85,7 +86,8 @@ def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(clust
         assert r.status_code == 503 and r.headers["retry-after"]
         assert r.json()["error"]["code"] == "no_remote_prefill"
     finally:
-        disarm(http_link)
+        heal(http_link)
+        t.join(120)
         if cluster.child("far-prefill-0").proc.poll() is not None:
             cluster.restart("far-prefill-0")
     cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["healthy"]
@@ -96,7 +98,9 @@ def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(clust
 
 def test_full_prefill_queues_answer_429_with_retry_after(cluster) -> None:
     kv_link = cluster.emulator_control("here-decode-0", "kv")
-    arm(kv_link, stall_ms=2500)
+    # The KV of the queued requests is held until the test has seen the queue full and ends the
+    # stall (the shared cluster's kv_cache.timeout_ms is far longer than that).
+    arm(kv_link, stall_ms=FOREVER_MS)
     results: list[httpx.Response] = []
     threads = [threading.Thread(target=lambda: results.append(generate(cluster.url, LONG, "remote_required",
                                                                         max_tokens=4)))
@@ -104,18 +108,19 @@ def test_full_prefill_queues_answer_429_with_retry_after(cluster) -> None:
     try:
         for t in threads:
             t.start()
-        cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["queue_depth"] >= 4, timeout=5)
+        cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["queue_depth"] >= 4)
         r = generate(cluster.url, LONG, "remote_required")
         assert r.status_code == 429, r.text
         assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "prefill_queue_full"
         # auto with the remote pool full keeps a long prompt local rather than queueing it, and says so.
         info = route_of(generate(cluster.url, LONG))
         assert info["route"] == "local" and "queue is full" in info["degradation_reason"]
+        heal(kv_link)
         for t in threads:
-            t.join(30)
+            t.join(120)
             assert not t.is_alive()
     finally:
-        disarm(kv_link)
+        heal(kv_link)
     # Each accepted request ended with a result or an explicit error, never a hang.
     for r in results:
         assert r.status_code == 200 or r.json()["error"]["code"] == "kv_transfer_failed", r.text
@@ -138,11 +143,13 @@ def test_decode_at_max_concurrent_requests_answers_429(cluster) -> None:
         for _ in range(8):  # decode_pool.max_concurrent_requests of the test cluster
             s = open_streams.enter_context(client.stream("POST", cluster.url + "/v1/generate", json=body))
             assert s.status_code == 200
-        cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["queue_depth"] >= 8, timeout=5)
+        cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["queue_depth"] >= 8)
         r = generate(cluster.url, SHORT)
         assert r.status_code == 429, r.text
         assert r.json()["error"]["code"] == "decode_full" and r.headers["retry-after"] == "1"
-    wait_idle(cluster, WORKERS)
+    # The streams are closed; their KV is freed once decode has aborted them (or, where the abort
+    # does not reach it, once they ran to their end: a generous safety net for that).
+    wait_idle(cluster, WORKERS, timeout=300)
     cluster.wait_scheduler(lambda v: v["instances"]["here-decode-0"]["queue_depth"] == 0)
     r = generate(cluster.url, SHORT)
     assert r.status_code == 200, r.text

@@ -25,10 +25,14 @@ def scaled(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def _until(what: str, predicate, timeout: float = 120.0) -> None:
+    """Poll `predicate()` (an answer slower than its own timeout counts as False); the timeout is a safety net."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        try:
+            if predicate():
+                return
+        except httpx.TimeoutException:
+            pass
         time.sleep(0.1)
     raise AssertionError(f"never happened: {what}")
 

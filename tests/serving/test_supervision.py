@@ -21,8 +21,8 @@ import httpx
 import psutil
 import pytest
 import yaml
-from serving_cluster import cluster_config, free_port_block
-from serving_helpers import LONG, arm, disarm, generate
+from serving_cluster import cluster_config, free_port_block, quiet_timeouts
+from serving_helpers import FOREVER_MS, LONG, arm, generate, heal
 
 from crossfill.config import CrossfillConfig, load_config
 
@@ -78,7 +78,9 @@ class Up:
 def up(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     tmp = tmp_path_factory.mktemp("up")
     base = free_port_block(120)
-    doc = cluster_config(tiny_llama_dir, base)
+    # kv_cache.timeout_ms far longer than any stall a test holds: a request held in flight stays
+    # held until the test releases it (see serving_cluster.QUIET_KV_TIMEOUT_MS).
+    doc = quiet_timeouts(cluster_config(tiny_llama_dir, base))
     doc["serving"].update(drain_timeout_s=60, retry_budget_s=120)
     path = tmp / "cluster.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -110,7 +112,7 @@ def test_kill_9_of_the_remote_prefill_mid_transfer_loses_nothing(up: Up) -> None
     control = next(f"http://{c.listen_host}:{c.control_port}" for c in up.cfg.crossings()
                    if c.target == DECODE and c.kind == "kv")
     # Hold every KV transfer on the WAN so the kill lands mid-transfer, whatever the machine's speed.
-    arm(control, stall_ms=600_000)
+    arm(control, stall_ms=FOREVER_MS)
     old_pid = up.pid_of(FAR)
     assert old_pid is not None
     try:
@@ -121,7 +123,7 @@ def test_kill_9_of_the_remote_prefill_mid_transfer_loses_nothing(up: Up) -> None
             psutil.Process(old_pid).kill()
             answers = [f.result() for f in futures]
     finally:
-        disarm(control)
+        heal(control)
     for r in answers:
         assert r.headers["content-type"].startswith("application/json"), r.text
         if r.status_code == 200:
@@ -145,15 +147,18 @@ def test_sigterm_drains_the_gateway_and_up_restarts_it(up: Up) -> None:
                    if c.target == DECODE and c.kind == "kv")
     old_pid = up.pid_of("gateway")
     assert old_pid is not None
-    arm(control, stall_ms=3000)  # a request held in flight while the gateway is told to stop
+    arm(control, stall_ms=FOREVER_MS)  # a request held in flight while the gateway is told to stop
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(generate, up.url, LONG, "remote_required", 8, tenant_id="drain")
             up.wait_for("the request reached the remote prefill", lambda: up.stats(FAR)["queue_depth"] > 0)
             psutil.Process(old_pid).send_signal(signal.SIGTERM)
+            # The old gateway drains (not ready) and waits for the request it holds...
+            up.wait_for("the gateway drains", lambda: httpx.get(up.url + "/readyz", timeout=5).status_code == 503)
+            heal(control)  # ... which can finish now
             r = fut.result()
     finally:
-        disarm(control)
+        heal(control)
     assert r.status_code == 200, r.text  # drained: the request in flight finished
     up.wait_for("a new gateway", lambda: up.pid_of("gateway") not in (None, old_pid))
     up.wait_for("the new gateway is ready", lambda: httpx.get(up.url + "/readyz", timeout=2).status_code == 200)
@@ -166,17 +171,17 @@ def test_a_request_survives_the_decode_worker_dying_before_its_first_token(up: U
                    if c.target == DECODE and c.kind == "kv")
     old_pid = up.pid_of(DECODE)
     assert old_pid is not None
-    arm(control, stall_ms=600_000)
+    arm(control, stall_ms=FOREVER_MS)
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(generate, up.url, LONG, "remote_preferred", 8, ignore_eos=True, tenant_id="dec")
             up.wait_for("the request is waiting for its KV", lambda: up.stats(DECODE)["queue_depth"] > 0)
             psutil.Process(old_pid).kill()
             psutil.Process(old_pid).wait(30)
-            disarm(control)  # the rescheduled try must be able to get its KV
+            heal(control)  # the rescheduled try must be able to get its KV
             r = fut.result()
     finally:
-        disarm(control)
+        heal(control)
     assert r.status_code == 200, r.text
     info = r.json()["crossfill"]
     assert "rescheduled after decode here-decode-0" in info["degradation_reason"], info
@@ -198,7 +203,7 @@ def test_a_silent_decode_is_detected_and_the_request_rescheduled(up: Up) -> None
                    if c.target == DECODE and c.kind == "kv")
     pid = up.pid_of(DECODE)
     assert pid is not None
-    arm(control, stall_ms=600_000)
+    arm(control, stall_ms=FOREVER_MS)
     stopped = False
     try:
         with cf.ThreadPoolExecutor(1) as pool:
@@ -207,13 +212,13 @@ def test_a_silent_decode_is_detected_and_the_request_rescheduled(up: Up) -> None
             psutil.Process(pid).suspend()
             stopped = True
             up.wait_for("the gateway declares decode silent", lambda: _gateway_counter(up, silent) > before)
-            disarm(control)
+            heal(control)
             psutil.Process(pid).resume()
             stopped = False
             r = fut.result()
     finally:
         if stopped:
             psutil.Process(pid).resume()
-        disarm(control)
+        heal(control)
     assert r.status_code == 200, r.text
     assert "stopped answering" in r.json()["crossfill"]["degradation_reason"]
