@@ -163,8 +163,12 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_explicit_error(cluster)
             lines = s.iter_lines()
             for line, _ in zip(lines, range(4), strict=False):
                 assert line.startswith("data: {") or not line
-            cluster.child("here-decode-0").proc.send_signal(signal.SIGKILL)
+            decode = cluster.child("here-decode-0").proc
+            decode.send_signal(signal.SIGKILL)
             rest = [line for line in lines if line]
+        # Dead, not just disconnected: its sockets close before the process is reaped, so without
+        # this wait the restart below could see it still running and skip it.
+        decode.wait(60)
         assert rest[-1] == "data: [DONE]"
         err = json.loads(rest[-2][6:])["error"]
         assert err["code"] == "decode_failed" and err["type"] == "upstream_error"
