@@ -294,11 +294,12 @@ class TransferTable:
         return a
 
     def keep_alive(self, cache_id: str) -> bool:
-        """The sender says, out of band, that it is still preparing `cache_id` (queued, prefilling):
-        restart the silence timer of a transfer whose manifest has not come yet. Once frames flow,
-        only frames count, so a stalled link is still noticed while its sender is well."""
+        """The sender says, out of band, that it is still computing `cache_id` (queued, or
+        prefilling with its next layers' KV not ready yet): restart the silence timer. The caller
+        stops once the sender has computed everything (prefill's first token): from then on only
+        frames count, so a stalled link is still noticed while its sender is well."""
         a = self.active.get(cache_id)
-        if a is None or a.manifest is not None or a.finished:
+        if a is None or a.finished:
             return False
         a.touch()
         return True

@@ -160,8 +160,8 @@ class ReceiveBackend(abc.ABC):
         """(raw, wire) payload bytes accepted for a current or recently finished transfer; (0, 0) if unknown."""
 
     def keep_alive(self, cache_id: str) -> bool:
-        """The sender is alive but has not started sending `cache_id` (its prefill is queued):
-        restart the wait for the manifest. True when the receiver acted on it."""
+        """The sender is alive and still computing `cache_id` (its prefill is queued or running):
+        restart the silence timer. True when the receiver acted on it."""
         return False
 
     def notify(self, cache_id: str) -> bool:

@@ -24,7 +24,7 @@ from crossfill.config import ConfigError, CrossfillConfig, load_config
 from crossfill.reliability.cluster import ClusterView
 from crossfill.reliability.load import LoadGenerator, until
 from crossfill.reliability.mixes import CHAOS_MIXES, Workloads, build_workloads
-from crossfill.reliability.procs import UpProcess
+from crossfill.reliability.procs import ClusterDidNotStart, UpProcess
 from crossfill.reliability.scenarios import FULL, SCENARIOS, SHORT, Ctx, Params, Scenario, capacity
 from crossfill.reliability.verdict import Row, render_markdown, render_text, tally
 
@@ -111,7 +111,11 @@ def run_chaos(config: str, short: bool, names: list[str] | None, json_out: str |
         print(str(exc), file=sys.stderr)
         return 2
     p = SHORT if short else FULL
-    rows = asyncio.run(_run(config, p, names, Path(out_dir)))
+    try:
+        rows = asyncio.run(_run(config, p, names, Path(out_dir)))
+    except ClusterDidNotStart as exc:
+        print(f"chaos: the cluster did not start, nothing was run: {exc}", file=sys.stderr)
+        return 2
     print()
     print(render_text(rows))
     if markdown_out:

@@ -41,6 +41,10 @@ def child_name(cmdline: list[str]) -> str | None:
     return None
 
 
+class ClusterDidNotStart(RuntimeError):
+    """`crossfill up` exited or timed out before the cluster was up; the message ends with its log's tail."""
+
+
 class UpProcess:
     """`crossfill up --config FILE` as a subprocess; its stderr (and the children's) goes to `log_path`."""
 
@@ -66,9 +70,9 @@ class UpProcess:
         deadline = time.monotonic() + timeout_s
         while not self._up.is_set():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"crossfill up exited with status {self.proc.returncode}:\n{self.log_tail()}")
+                raise ClusterDidNotStart(f"crossfill up exited with status {self.proc.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"crossfill up was not up within {timeout_s:.0f}s:\n{self.log_tail()}")
+                raise ClusterDidNotStart(f"crossfill up was not up within {timeout_s:.0f}s:\n{self.log_tail()}")
             await asyncio.sleep(0.2)
 
     def _read_stdout(self) -> None:

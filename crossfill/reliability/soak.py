@@ -26,7 +26,7 @@ from crossfill.reliability.cluster import ClusterView
 from crossfill.reliability.load import LoadGenerator, until
 from crossfill.reliability.mixes import Workloads, build_workloads
 from crossfill.reliability.plots import plot_soak
-from crossfill.reliability.procs import UpProcess
+from crossfill.reliability.procs import ClusterDidNotStart, UpProcess
 from crossfill.reliability.sampler import Sampler
 from crossfill.reliability.scenarios import FULL, SCENARIOS, Ctx, Params, Scenario
 from crossfill.reliability.trend import Trend, trends
@@ -172,7 +172,11 @@ def run_soak(config: str, minutes: float, out: str, sample_s: float, fault_every
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    report = asyncio.run(_run(config, minutes, Path(out), sample_s, fault_every_s))
+    try:
+        report = asyncio.run(_run(config, minutes, Path(out), sample_s, fault_every_s))
+    except ClusterDidNotStart as exc:
+        print(f"soak: the cluster did not start, nothing was run: {exc}", file=sys.stderr)
+        return 2
     print()
     print(render_text([report.row]))
     print()

@@ -249,7 +249,7 @@ class DecodeConnector:
         self._rx().notify(cache_id)
 
     def keep_alive(self, cache_id: str) -> None:
-        """Prefill reported in (accepted, queued, heartbeat) before sending: its KV is not late yet."""
+        """Prefill reported in (accepted, heartbeat) before its first token: its KV is not late yet."""
         self._rx().keep_alive(cache_id)
 
     def cancel(self, cache_id: str, reason: str) -> None:

@@ -194,8 +194,9 @@ class KVFetcher:
                 first_fut.set_result(ev)
 
         kv_task = asyncio.create_task(wait_kv())
-        # A prefill queued behind others is late, not lost: its heartbeats hold the KV wait open
-        # until it starts sending (then only KV frames count, so a stalled link is still caught).
+        # A prefill queued behind others, or slow on a busy machine, is late, not lost: its
+        # heartbeats hold the KV wait open until its first token (then everything it computed is
+        # on the wire and only KV frames count, so a stalled link is still caught).
         pre_task = asyncio.create_task(call_prefill(self.http, url, pjob, timeout_s, on_first,
                                                     on_alive=lambda: self.connector.keep_alive(cache_id)))
         got_both = False
