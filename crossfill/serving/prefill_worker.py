@@ -87,7 +87,9 @@ class PrefillWorker(WorkerBase):
             if not finished:
                 log.info("prefill %s: caller went away, aborting", job.request_id)
                 task.cancel()
-            await shielded(asyncio.wait([task]))
+            await shielded(asyncio.wait([task]))  # not gather: a re-cancelled gather cuts the cleanup short
+            if not task.cancelled():
+                task.exception()  # retrieved: _prefill reports its own errors as events
 
     async def _prefill(self, job: PrefillJob, arrived: float,
                        events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent]) -> None:
