@@ -76,3 +76,12 @@ async def ping(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, size:
     await writer.drain()
     await reader.readexactly(size)
     return time.perf_counter() - t0
+
+
+async def wait_for(predicate, timeout: float = 30.0) -> None:
+    """Poll `predicate` until it holds (the timeout is only a safety net, far above any wait)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.01)

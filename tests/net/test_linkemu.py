@@ -12,7 +12,7 @@ import pytest
 from crossfill.net.linkemu import LinkEmulator
 from crossfill.net.units import UnitError
 
-from .conftest import ping
+from .conftest import ping, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,14 +31,6 @@ async def _send(port: int, nbytes: int, close: bool = True) -> None:
         await writer.wait_closed()
 
 
-async def _wait_for(predicate, timeout: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for the condition"
-        await asyncio.sleep(0.01)
-
-
 # Shaping is measured in real time. The emulator never lets bytes through faster than the link
 # (checked on every run); a loaded machine can only make a run slower, so a rate below the link's is
 # checked on the best of a few runs: one run at the link's speed shows the emulator reaches it.
@@ -50,7 +42,7 @@ async def _rate(sink, port: int, connections: int, nbytes: int) -> float:
     sink.received.clear()
     sink.first = sink.last = None
     await asyncio.gather(*(_send(port, nbytes) for _ in range(connections)))
-    await _wait_for(lambda: sink.total == connections * nbytes)
+    await wait_for(lambda: sink.total == connections * nbytes)
     return connections * nbytes * 8 / (sink.last - sink.first)
 
 
@@ -119,12 +111,12 @@ async def test_cut_after_bytes_delivers_n_bytes_then_closes_both_sides(sink):
                 writer.write(b"z" * 65536)
                 await writer.drain()
                 await asyncio.sleep(0.005)
-        await _wait_for(lambda: sink.closed and sink.closed[0])
+        await wait_for(lambda: sink.closed and sink.closed[0])
         assert sink.total == 100_000
         assert emu.counters.cuts == 1
         # the link keeps working for new connections once the fault is used up
         await _send(emu.listen_port, 5000)
-        await _wait_for(lambda: len(sink.received) == 2 and len(sink.received[1]) == 5000)
+        await wait_for(lambda: len(sink.received) == 2 and len(sink.received[1]) == 5000)
 
 
 async def test_corrupt_flips_exactly_the_next_k_bytes(sink):
@@ -135,7 +127,7 @@ async def test_corrupt_flips_exactly_the_next_k_bytes(sink):
         writer.write(payload)
         await writer.drain()
         writer.close()
-        await _wait_for(lambda: sink.total == len(payload))
+        await wait_for(lambda: sink.total == len(payload))
     got = bytes(sink.received[0])
     assert got[:3] == bytes(b ^ 0xFF for b in payload[:3])
     assert got[3:] == payload[3:]
@@ -165,7 +157,7 @@ async def test_disarm_releases_what_a_long_stall_holds_at_once(echo_port):
         sent = emu.counters.up.bytes_in
         emu.arm(stall_ms=600_000)
         held = asyncio.ensure_future(ping(reader, writer))
-        await _wait_for(lambda: emu.counters.up.bytes_in > sent)  # the emulator holds it now
+        await wait_for(lambda: emu.counters.up.bytes_in > sent)  # the emulator holds it now
         assert not held.done()
         emu.disarm()
         await asyncio.wait_for(held, 30)

@@ -14,7 +14,7 @@ import pytest
 
 from crossfill.net.linkemu import LinkEmulator
 
-from .conftest import ping
+from .conftest import ping, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,14 +54,6 @@ class Upstream:
             writer.close()
 
 
-async def _until(predicate, timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for the condition"
-        await asyncio.sleep(0.005)
-
-
 async def test_partition_holds_open_and_new_connections_until_it_ends() -> None:
     async with Upstream() as upstream, LinkEmulator(("127.0.0.1", upstream.port)) as emu:
         loop = asyncio.get_running_loop()
@@ -72,7 +64,7 @@ async def test_partition_holds_open_and_new_connections_until_it_ends() -> None:
         assert emu.status()["faults"]["partition_remaining_ms"] > 0
         pinged = asyncio.create_task(ping(reader, writer))
         new_reader, new_writer = await asyncio.open_connection("127.0.0.1", emu.listen_port)
-        await _until(lambda: emu.counters.held_connections == 1)
+        await wait_for(lambda: emu.counters.held_connections == 1)
         assert len(upstream.accepted_at) == 1  # held: the far side has not seen the new connection
         await pinged
         # Nothing crossed before the partition ended, in either direction.
@@ -88,7 +80,7 @@ async def test_disarm_ends_a_partition_at_once() -> None:
     async with Upstream() as upstream, LinkEmulator(("127.0.0.1", upstream.port)) as emu:
         emu.arm(partition_ms=600_000)
         reader, writer = await asyncio.open_connection("127.0.0.1", emu.listen_port)
-        await _until(lambda: emu.counters.held_connections == 1)
+        await wait_for(lambda: emu.counters.held_connections == 1)
         emu.disarm()
         await asyncio.wait_for(ping(reader, writer), 20)  # long before the 600 s partition would end
         assert len(upstream.accepted_at) == 1
@@ -106,7 +98,7 @@ async def test_reorder_mixes_connections_but_keeps_each_in_order() -> None:
             writer.write(struct.pack("!I", seq))
             await writer.drain()
             await asyncio.sleep(0.003)
-        await _until(lambda: sum(len(s) for s in upstream.streams) == 4 * n)
+        await wait_for(lambda: sum(len(s) for s in upstream.streams) == 4 * n)
         for stream in upstream.streams:
             seqs = [v for (v,) in struct.iter_unpack("!I", bytes(stream))]
             assert seqs == sorted(seqs)  # within one TCP connection, bytes stay in order
