@@ -35,10 +35,67 @@ class _Strict(BaseModel):
 # --------------------------------------------------------------------------- inference_service
 
 
+RequestType = Literal["interactive", "batch"]
+Tier = Literal["premium", "standard"]
+
+
+class TenantRoutingConfig(_Strict):
+    """How one tenant's requests are routed (`inference_service.routing.tenants.<tenant>`)."""
+
+    # The type of its requests that do not say (`request_type` in the body wins).
+    request_type: RequestType = "interactive"
+    # premium: may use the share of local prefill reserved by `reserved_premium_share`.
+    tier: Tier = "standard"
+    # Order in the batch queue: a heavier tenant's waiting batch requests are tried first.
+    weight: float = Field(1.0, gt=0)
+
+
 class RoutingConfig(_Strict):
+    # With pin_threshold false this is the starting point; the scheduler re-tunes the live value.
     long_context_threshold_tokens: int = Field(16384, ge=1)
     prefer_remote_prefill: bool = True
     fallback_to_local_on_failure: bool = True
+    # Not in the seed block. true: the threshold above is used as is; false: every
+    # retune_interval_s the scheduler re-derives it with the planner's model (GET /v1/admin/plan).
+    pin_threshold: bool = False
+    retune_interval_s: float = Field(30.0, gt=0)
+    # Short (TTFT-sensitive) prompts never cross datacenters under `auto`, even when local prefill
+    # is saturated (they get 429), unless this is true.
+    allow_short_overflow: bool = False
+    # Offload only when moving the KV over the link (at its measured bandwidth, behind the bytes
+    # already in flight) costs less time than prefilling locally would.
+    bandwidth_aware: bool = True
+    # Prefill speed assumed for an instance until the scheduler has measured it.
+    assumed_prefill_tokens_per_s: float = Field(1000.0, gt=0)
+    # Share of every local prefill queue that only premium-tier tenants may fill.
+    reserved_premium_share: float = Field(0.0, ge=0, lt=1)
+    # Batch requests use at most this share of a prefill instance's queue, never local prefill
+    # while a remote pool exists, and wait (up to batch_max_wait_s) for spare remote capacity.
+    batch_capacity_share: float = Field(0.5, gt=0, le=1)
+    batch_max_wait_s: float = Field(300.0, gt=0)
+    batch_queue_max: int = Field(1000, ge=1)
+    # datacenter -> weight >= 0 on the time of the path through it (1: neutral, 2: pay off twice).
+    cost_weights: dict[str, float] = {}
+    # Bytes per second of KV the link may carry into the local DC; over it, no new offload.
+    egress_budget_bytes_per_s: float | None = Field(None, gt=0)
+    tenants: dict[str, TenantRoutingConfig] = {}
+
+    @field_validator("cost_weights")
+    @classmethod
+    def _non_negative_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        for dc, w in v.items():
+            if not w >= 0:
+                raise ValueError(f"inference_service.routing.cost_weights.{dc}: a cost weight must be >= 0, got {w}")
+        return v
+
+    def tenant(self, tenant_id: str | None) -> TenantRoutingConfig:
+        return self.tenants.get(tenant_id or "", _DEFAULT_TENANT)
+
+    def cost_weight(self, datacenter: str) -> float:
+        return self.cost_weights.get(datacenter, 1.0)
+
+
+_DEFAULT_TENANT = TenantRoutingConfig()
 
 
 class PrefillPoolConfig(_Strict):
@@ -244,6 +301,10 @@ class CrossfillConfig(_Strict):
                     f"inference_service.{key}.resource_class: {pool.resource_class!r} is not defined "
                     f"in resource_classes (defined: {sorted(self.resource_classes)})"
                 )
+        for dc in svc.routing.cost_weights:
+            if dc not in topo.datacenters:
+                raise ValueError(f"inference_service.routing.cost_weights.{dc}: unknown datacenter "
+                                 f"(known: {sorted(topo.datacenters)})")
         if topo.local_datacenter not in topo.datacenters:
             raise ValueError(
                 f"topology.local_datacenter: {topo.local_datacenter!r} is not one of "

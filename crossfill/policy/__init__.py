@@ -2,6 +2,8 @@
 
 from crossfill.policy.routing import (
     PREFILL_POLICIES,
+    REQUEST_TYPES,
+    Defer,
     InstanceState,
     LinkState,
     NoRoute,
@@ -14,6 +16,8 @@ from crossfill.policy.routing import (
 
 __all__ = [
     "PREFILL_POLICIES",
+    "REQUEST_TYPES",
+    "Defer",
     "InstanceState",
     "LinkState",
     "NoRoute",

@@ -65,9 +65,18 @@ def test_auto_long_prompt_unhealthy_link_degrades_to_local_with_reason(link: Lin
     assert r.degradation_reason is not None and words in r.degradation_reason
 
 
-def test_auto_short_prompt_overflows_to_remote_when_local_queue_full() -> None:
-    r = decide(RouteRequest(10), snap(local_q=4), CFG)
+def test_auto_short_prompt_never_crosses_when_local_queue_full_unless_overflow_allowed() -> None:
+    with pytest.raises(NoRoute) as e:
+        decide(RouteRequest(10), snap(local_q=4), CFG)
+    assert e.value.status == 429 and "allow_short_overflow" in e.value.message
+    cfg = CFG.model_copy(update={"routing": CFG.routing.model_copy(update={"allow_short_overflow": True})})
+    r = decide(RouteRequest(10), snap(local_q=4), cfg)
     assert r.kind == "remote" and "overflow" in (r.degradation_reason or "")
+
+
+def test_auto_long_prompt_overflows_to_remote_when_local_queue_full() -> None:
+    r = decide(RouteRequest(5000), snap(local_q=4), CFG)
+    assert r.kind == "remote"
 
 
 def test_all_prefill_queues_full_is_429() -> None:
