@@ -1,218 +1,470 @@
-"""Link monitor: moving estimates of a link's bandwidth, round-trip time and loss, for the scheduler.
+"""Link monitor: the scheduler's one estimate of a link's RTT, bandwidth, loss, health and breaker.
 
 The scheduler decides "remote prefill or not" from a snapshot of the link (M5.7, M5.4: monitor
 utilisation, loss, retransmits, latency). Configured numbers say what the link should do; this says
 what it did recently, from evidence the system produces anyway:
 
-- `record_transfer(bytes, seconds)`: goodput of a real KV transfer. Small transfers measure latency
-  rather than bandwidth, so those under `min_transfer_bytes` are not used for the bandwidth estimate.
-- `record_rtt(seconds)`: a round trip from a probe (see `crossfill.net.probe`) or a transfer ack.
-- `record_loss(lost, sent)` and `record_retransmit(retransmitted, sent)`: counts from the transfer
-  layer (refused or missing frames, retransmitted frames) or an emulator's counters.
-- `record_failure()`: a probe or transfer that failed outright; `failures_to_down` in a row mark the
-  link down until the next success.
+- `record_rtt(seconds)`: a small probe's round trip (see `crossfill.net.probe`).
+- `record_bandwidth(nbytes, seconds)`: bytes over the wire time of a link-limited phase (an active
+  payload probe, or a transfer phase that only waited on the link). Samples under
+  `min_sample_bytes` are ignored: they measure latency, not bandwidth.
+- `record_transfer(ok, frames, lost, retransmitted)`: one KV transfer's outcome and frame counts.
+- `record_probe(ok)`: a probe answered, or failed outright (refused, reset, timed out).
 
-Estimates are exponentially weighted moving averages (EWMA): cheap, no windows to size, and weight
-`alpha` on the newest sample lets the scheduler react to a degraded link within a few samples. RTT
-keeps TCP's smoothing (alpha 1/8) and also the minimum seen, which approximates propagation delay.
+Why windowed min/max filters and not moving averages (BBR's estimators)
+-------------------------------------------------------------------------
+Every sample is taken by a program on a possibly loaded machine, and that noise has a *sign*: an
+event loop that is late, a descheduled thread or a GC pause can only make a round trip look longer
+and a transfer look slower, never the reverse. A moving average mixes that one-sided noise into the
+estimate (the EWMA this module used to have let one 50.8 ms probe on a 5 ms link flip a CI run to
+unhealthy). BBR (Cardwell et al., "BBR: Congestion-Based Congestion Control", 2016) faces the same
+problem and estimates each quantity with the filter that noise cannot move:
 
-`snapshot().healthy` applies the seed config's thresholds the same way the routing policy does:
-bandwidth_gbps >= network.min_bandwidth_gbps and one-way latency (RTT / 2) <= network.max_latency_ms;
-an unmeasured quantity does not make the link unhealthy (the configured link is trusted until
-evidence arrives), a link that is down always does.
+- RTT: the MINIMUM of the last `rtt_window` samples. A late probe never raises it. A real, sustained
+  rise shows once the window has turned over (every sample in it is slow), i.e. after `rtt_window`
+  samples; a fall shows at the first fast sample.
+- Bandwidth: the MAXIMUM of the samples taken in the last `bandwidth_window_s` seconds. A busy
+  machine only lowers samples. A real slow-down shows once the faster samples have aged out of the
+  window; a speed-up shows at the first fast sample. The window is in time rather than samples
+  because bandwidth samples come irregularly (transfers), and a burst of them must not flush a
+  faster sample from a second ago. When no sample is in the window the bandwidth is unmeasured
+  (None) rather than a stale number: the caller falls back to the configured capacity.
+
+The flip side is that a max filter holds on to an *over*estimate for a whole window, so a caller
+of `record_bandwidth` must time a sample so that noise can only add time: include all of the wire
+time (never start the clock after bytes may already have arrived) and leave out only what is
+certainly not wire time.
+
+Health with hysteresis
+----------------------
+After each measurement (`record_rtt`, an accepted `record_bandwidth`, `record_transfer`) the current
+estimates are judged against the seed config's thresholds, as the routing policy judges them:
+one-way latency (RTT / 2) > `max_latency_ms`, bandwidth < `min_bandwidth_gbps`, or loss rate >
+`max_loss_rate` makes the evaluation "bad". An unmeasured quantity is never bad: the configured link
+is trusted until evidence arrives, so a fresh monitor is healthy. `healthy` turns False only after
+`unhealthy_after` bad evaluations in a row and True again only after `healthy_after` good ones, so a
+link near a threshold does not flap. The filters already absorb single noisy samples; hysteresis
+absorbs a threshold crossed by a hair. Probe outcomes (`record_probe`) are not measurements and do
+not count as evaluations, so a prober that reports both an RTT and its outcome is not counted twice.
+Health only changes on evidence: a monitor fed nothing keeps its last verdict.
+
+Up / down and the circuit breaker
+---------------------------------
+`up` is reachability: `failures_to_down` failed probes or transfers in a row mark the link down, the
+next successful one marks it up. The circuit breaker is about transfers: `breaker_failures` failed
+transfers in a row open it, and the scheduler sends no KV over an open link. After
+`breaker_cooldown_s` it is half-open: the link has to prove itself with `half_open_successes`
+successful probes (or one successful transfer, if one is attempted); a failure in half-open re-opens
+it for a new cooldown. While open, outcomes of transfers that were already in flight change nothing
+(they were started before the breaker opened and say nothing about the cooldown having helped).
+`usable` = up and healthy and breaker closed is what routing should check.
+
+All times come from the injected `clock` (default `time.monotonic`), so tests drive the windows and
+the cooldown with a fake clock instead of sleeping. Everything is guarded by one lock (the scheduler
+records from its event loop and reads from request handlers) and costs O(window) at most.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+BreakerState = Literal["closed", "open", "half_open"]
 
 
 @dataclass(frozen=True)
 class LinkSnapshot:
-    """What the link did recently. None = no sample yet."""
+    """What the link did recently, judged against the thresholds. None = not measured."""
 
-    bandwidth_bps: float | None
-    rtt_ms: float | None
-    min_rtt_ms: float | None
-    loss_rate: float
-    retransmit_rate: float
-    samples: int  # transfers used for the bandwidth estimate
-    rtt_samples: int
-    up: bool
-    healthy: bool
-    reasons: tuple[str, ...]  # why not healthy; empty when healthy
-    age_s: float | None  # seconds since the newest sample of any kind
-
-    @property
-    def bandwidth_gbps(self) -> float | None:
-        return None if self.bandwidth_bps is None else self.bandwidth_bps / 1e9
+    rtt_ms: float | None  # min of the last `rtt_window` RTT samples
+    bandwidth_gbps: float | None  # max of the samples of the last `bandwidth_window_s`; None: none there
+    configured_bandwidth_gbps: float | None  # what the topology (or an operator) says the link has
+    loss_rate: float  # frames lost / frames sent over the last `stats_window` transfers
+    retransmit_rate: float  # frames retransmitted / frames sent, same window (may exceed 1)
+    up: bool  # False after `failures_to_down` failed probes/transfers in a row
+    healthy: bool  # hysteresis-filtered verdict on rtt / bandwidth / loss
+    breaker: BreakerState
+    reasons: tuple[str, ...]  # why not usable (down, unhealthy, breaker); empty when usable
+    rtt_samples: int  # RTT samples recorded since the start
+    bandwidth_samples: int  # bandwidth samples accepted since the start
+    transfers_ok: int
+    transfers_failed: int
 
     @property
     def latency_ms(self) -> float | None:
-        """One-way latency estimate (RTT / 2), the quantity `network.max_latency_ms` bounds."""
+        """One-way latency (RTT / 2), the quantity `network.max_latency_ms` bounds."""
         return None if self.rtt_ms is None else self.rtt_ms / 2
 
+    @property
+    def usable(self) -> bool:
+        """Whether routing may send KV over the link now."""
+        return self.up and self.healthy and self.breaker == "closed"
 
-class _Ewma:
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
-        self.value: float | None = None
+    def as_dict(self) -> dict[str, object]:
+        """JSON-friendly form (for `GET /v1/admin/cluster`), with the derived fields included."""
+        d: dict[str, object] = asdict(self)
+        d["reasons"] = list(self.reasons)
+        d["latency_ms"] = self.latency_ms
+        d["usable"] = self.usable
+        return d
 
-    def add(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+class NetworkThresholds(Protocol):
+    """What `from_config` reads: the config's `inference_service.network` block has these."""
+
+    @property
+    def min_bandwidth_gbps(self) -> float: ...
+
+    @property
+    def max_latency_ms(self) -> float: ...
 
 
 class LinkMonitor:
-    """Thread-safe estimator of one link; feed it samples, read `snapshot()`.
+    """Thread-safe estimator of one link; feed it samples and outcomes, read `snapshot()`.
 
     Args:
-        min_bandwidth_gbps / max_latency_ms: thresholds of `healthy` (config `network` block).
-        max_loss_rate: loss rate above which the link is unhealthy.
-        alpha: EWMA weight of the newest bandwidth / loss sample.
-        min_transfer_bytes: smaller transfers are ignored for bandwidth (they measure latency).
-        failures_to_down: consecutive failures that mark the link down.
-        stale_after_s: a bandwidth/RTT estimate older than this is dropped from the snapshot, so an
-            idle link falls back to its configured numbers instead of a stale measurement.
+        min_bandwidth_gbps / max_latency_ms: health thresholds (config `network` block); latency is
+            one way, i.e. RTT / 2.
+        configured_bandwidth_gbps: the link's declared capacity, reported beside the measurement
+            (routing falls back to it while bandwidth is unmeasured); not used to judge health.
+        max_loss_rate: loss rate above which an evaluation is bad.
+        rtt_window: RTT samples whose minimum is the RTT estimate.
+        bandwidth_window_s: seconds of bandwidth samples whose maximum is the bandwidth estimate.
+        stats_window: transfers whose frame counts give loss and retransmit rates.
+        unhealthy_after / healthy_after: bad / good evaluations in a row that flip `healthy`.
+        failures_to_down: failed probes or transfers in a row that mark the link down.
+        breaker_failures: failed transfers in a row that open the circuit breaker.
+        breaker_cooldown_s: how long the breaker stays open before it is half-open.
+        half_open_successes: successful probes in half-open that close the breaker.
+        min_sample_bytes: smaller bandwidth samples are ignored (they measure latency).
+        clock: seconds, monotonic; injected so tests need not sleep.
+
+    Raises:
+        ValueError: an argument out of range; the message names it.
     """
 
     def __init__(
         self,
-        min_bandwidth_gbps: float = 40.0,
-        max_latency_ms: float = 10.0,
-        max_loss_rate: float = 0.01,
-        alpha: float = 0.3,
-        min_transfer_bytes: int = 256 * 1024,
+        *,
+        min_bandwidth_gbps: float,
+        max_latency_ms: float,
+        configured_bandwidth_gbps: float | None = None,
+        max_loss_rate: float = 0.05,
+        rtt_window: int = 10,
+        bandwidth_window_s: float = 5.0,
+        stats_window: int = 20,
+        unhealthy_after: int = 3,
+        healthy_after: int = 2,
         failures_to_down: int = 3,
-        stale_after_s: float | None = 300.0,
+        breaker_failures: int = 3,
+        breaker_cooldown_s: float = 10.0,
+        half_open_successes: int = 2,
+        min_sample_bytes: int = 64 * 1024,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if failures_to_down < 1:
-            raise ValueError(f"failures_to_down must be >= 1, got {failures_to_down}")
-        self.min_bandwidth_gbps = min_bandwidth_gbps
-        self.max_latency_ms = max_latency_ms
-        self.max_loss_rate = max_loss_rate
-        self.min_transfer_bytes = min_transfer_bytes
+        _check_number("min_bandwidth_gbps", min_bandwidth_gbps, low=0.0)
+        _check_number("max_latency_ms", max_latency_ms, low=0.0, low_open=True, allow_inf=True)
+        if configured_bandwidth_gbps is not None:
+            _check_number("configured_bandwidth_gbps", configured_bandwidth_gbps, low=0.0, low_open=True)
+        _check_number("max_loss_rate", max_loss_rate, low=0.0, high=1.0)
+        _check_number("bandwidth_window_s", bandwidth_window_s, low=0.0, low_open=True)
+        _check_number("breaker_cooldown_s", breaker_cooldown_s, low=0.0)
+        for name, value, low in (
+            ("rtt_window", rtt_window, 1),
+            ("stats_window", stats_window, 1),
+            ("unhealthy_after", unhealthy_after, 1),
+            ("healthy_after", healthy_after, 1),
+            ("failures_to_down", failures_to_down, 1),
+            ("breaker_failures", breaker_failures, 1),
+            ("half_open_successes", half_open_successes, 1),
+            ("min_sample_bytes", min_sample_bytes, 0),
+        ):
+            _check_int(name, value, low)
+        if not callable(clock):
+            raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
+
+        self.min_bandwidth_gbps = float(min_bandwidth_gbps)
+        self.max_latency_ms = float(max_latency_ms)
+        self.max_loss_rate = float(max_loss_rate)
+        self.bandwidth_window_s = float(bandwidth_window_s)
+        self.unhealthy_after = unhealthy_after
+        self.healthy_after = healthy_after
         self.failures_to_down = failures_to_down
-        self.stale_after_s = stale_after_s
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown_s = float(breaker_cooldown_s)
+        self.half_open_successes = half_open_successes
+        self.min_sample_bytes = min_sample_bytes
         self._clock = clock
         self._lock = threading.Lock()
-        self._bw = _Ewma(alpha)
-        self._rtt = _Ewma(1 / 8)  # TCP's SRTT gain (RFC 6298)
-        self._loss = _Ewma(alpha)
-        self._retx = _Ewma(alpha)
-        self._min_rtt: float | None = None
-        self._samples = 0
+        self._configured_gbps = None if configured_bandwidth_gbps is None else float(configured_bandwidth_gbps)
+
+        self._rtts: deque[float] = deque(maxlen=rtt_window)  # seconds
+        # Monotonic deque of (time, Gbit/s) with strictly decreasing rates: a sample that is older
+        # *and* slower than a newer one can never be the window's max again, so it is dropped on
+        # arrival of the newer one. The window's max is then always the head (after expiring).
+        self._bw: deque[tuple[float, float]] = deque()
+        self._stats: deque[tuple[int, int, int]] = deque(maxlen=stats_window)  # frames, lost, retx
         self._rtt_samples = 0
-        self._failures = 0
-        self._last_bw: float | None = None
-        self._last_rtt: float | None = None
-        self._last_any: float | None = None
+        self._bw_samples = 0
+        self._transfers_ok = 0
+        self._transfers_failed = 0
+
+        self._healthy = True
+        self._bad_streak = 0
+        self._good_streak = 0
+        self._bad_reasons: tuple[str, ...] = ()  # of the latest bad evaluation
+
+        self._failures = 0  # failed probes/transfers in a row, for `up`
+        self._breaker: BreakerState = "closed"
+        self._breaker_fails = 0  # failed transfers in a row while closed
+        self._opened_at = 0.0
+        self._half_open_ok = 0
 
     @classmethod
-    def from_config(cls, network: object, **kwargs: object) -> LinkMonitor:
-        """Build from the config's `inference_service.network` block (anything with the two fields)."""
+    def from_config(
+        cls,
+        network_config: NetworkThresholds,
+        configured_bandwidth_gbps: float | None = None,
+        **kw: Any,
+    ) -> LinkMonitor:
+        """Build from the config's `inference_service.network` block; `kw` go to the constructor."""
         return cls(
-            min_bandwidth_gbps=network.min_bandwidth_gbps,  # type: ignore[attr-defined]
-            max_latency_ms=network.max_latency_ms,  # type: ignore[attr-defined]
-            **kwargs,  # type: ignore[arg-type]
+            min_bandwidth_gbps=network_config.min_bandwidth_gbps,
+            max_latency_ms=network_config.max_latency_ms,
+            configured_bandwidth_gbps=configured_bandwidth_gbps,
+            **kw,
         )
 
-    # ------------------------------------------------------------------ samples
-
-    def record_transfer(self, nbytes: int, seconds: float) -> None:
-        """A completed transfer of `nbytes` that took `seconds` (first byte sent to last acked)."""
-        if nbytes < 0 or seconds <= 0:
-            raise ValueError(f"record_transfer needs nbytes >= 0 and seconds > 0, got {nbytes}, {seconds}")
-        with self._lock:
-            now = self._success()
-            if nbytes >= self.min_transfer_bytes:
-                self._bw.add(nbytes * 8 / seconds)
-                self._samples += 1
-                self._last_bw = now
+    # ------------------------------------------------------------------ measurements
 
     def record_rtt(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError(f"record_rtt needs seconds >= 0, got {seconds}")
+        """A small probe's round trip. A measurement only: report the probe's outcome with
+        `record_probe` (a prober calls both; only this one counts toward health)."""
+        _check_number("seconds", seconds, low=0.0, what="record_rtt")
         with self._lock:
-            now = self._success()
-            self._rtt.add(seconds)
-            self._min_rtt = seconds if self._min_rtt is None else min(self._min_rtt, seconds)
+            self._rtts.append(float(seconds))
             self._rtt_samples += 1
-            self._last_rtt = now
+            self._evaluate(self._clock())
 
-    def record_loss(self, lost: int, sent: int) -> None:
-        """`lost` of `sent` units (segments, frames) were lost in one observation period."""
-        with self._lock:
-            self._loss.add(_fraction("record_loss", lost, sent))
-            self._last_any = self._clock()
+    def record_bandwidth(self, nbytes: int, seconds: float) -> None:
+        """`nbytes` crossed the link in `seconds` of wire time (a link-limited phase).
 
-    def record_retransmit(self, retransmitted: int, sent: int) -> None:
-        """`retransmitted` of `sent` units had to be sent again in one observation period."""
+        Time it so that noise can only make it longer (see the module docstring): the estimate is a
+        max filter, which keeps an overestimate for `bandwidth_window_s`.
+        """
+        _check_int("nbytes", nbytes, 0, what="record_bandwidth")
+        _check_number("seconds", seconds, low=0.0, low_open=True, what="record_bandwidth")
+        if nbytes < self.min_sample_bytes:
+            return
+        gbps = nbytes * 8 / seconds / 1e9
         with self._lock:
-            self._retx.add(_fraction("record_retransmit", retransmitted, sent))
-            self._last_any = self._clock()
+            now = self._clock()
+            while self._bw and self._bw[-1][1] <= gbps:
+                self._bw.pop()
+            self._bw.append((now, gbps))
+            self._bw_samples += 1
+            self._evaluate(now)
 
-    def record_failure(self) -> None:
-        """A probe or transfer that failed outright (refused, timed out, cut)."""
+    def record_transfer(self, ok: bool, frames: int = 0, lost: int = 0, retransmitted: int = 0) -> None:
+        """One KV transfer's outcome, with its frame counts when the transport has them.
+
+        Every transfer takes a slot of the `stats_window`, with or without counts, so old loss ages
+        out as traffic flows. `ok=False` counts toward `up` and the circuit breaker.
+        """
+        _check_int("frames", frames, 0, what="record_transfer")
+        _check_int("lost", lost, 0, what="record_transfer")
+        _check_int("retransmitted", retransmitted, 0, what="record_transfer")
+        if lost > frames:
+            raise ValueError(f"record_transfer: lost must be <= frames, got lost={lost}, frames={frames}")
         with self._lock:
-            self._failures += 1
-            self._last_any = self._clock()
+            now = self._clock()
+            self._stats.append((frames, lost, retransmitted))
+            state = self._breaker_state(now)
+            if ok:
+                self._transfers_ok += 1
+                self._failures = 0
+                if state == "closed":
+                    self._breaker_fails = 0
+                elif state == "half_open":
+                    self._close_breaker()
+            else:
+                self._transfers_failed += 1
+                self._failures += 1
+                if state == "closed":
+                    self._breaker_fails += 1
+                    if self._breaker_fails >= self.breaker_failures:
+                        self._open_breaker(now)
+                elif state == "half_open":
+                    self._open_breaker(now)
+            self._evaluate(now)
+
+    def record_probe(self, ok: bool) -> None:
+        """A probe that answered (`ok`) or failed outright (refused, reset, timed out).
+
+        Drives `up`, and in half-open the breaker: `half_open_successes` answers close it, one
+        failure re-opens it. Not a measurement, so it does not count toward health.
+        """
+        with self._lock:
+            now = self._clock()
+            state = self._breaker_state(now)
+            if ok:
+                self._failures = 0
+                if state == "half_open":
+                    self._half_open_ok += 1
+                    if self._half_open_ok >= self.half_open_successes:
+                        self._close_breaker()
+            else:
+                self._failures += 1
+                if state == "half_open":
+                    self._open_breaker(now)
+
+    def set_configured_bandwidth(self, gbps: float | None) -> None:
+        """Change the declared capacity (an operator's `POST /v1/admin/links/{dc}`); None clears it."""
+        if gbps is not None:
+            _check_number("configured_bandwidth_gbps", gbps, low=0.0, low_open=True)
+        with self._lock:
+            self._configured_gbps = None if gbps is None else float(gbps)
 
     # ------------------------------------------------------------------ reading
 
     def snapshot(self) -> LinkSnapshot:
         with self._lock:
             now = self._clock()
-            bw = self._bw.value if self._fresh(self._last_bw, now) else None
-            rtt = self._rtt.value if self._fresh(self._last_rtt, now) else None
+            rtt_ms, bw, loss, retx = self._estimates(now)
+            breaker = self._breaker_state(now)
             up = self._failures < self.failures_to_down
-            loss = self._loss.value or 0.0
-            retx = self._retx.value or 0.0
-            reasons = []
+            reasons: list[str] = []
             if not up:
-                reasons.append(f"link down: {self._failures} failures in a row")
-            if bw is not None and bw / 1e9 < self.min_bandwidth_gbps:
                 reasons.append(
-                    f"bandwidth {bw / 1e9:.3g} Gbit/s < min_bandwidth_gbps {self.min_bandwidth_gbps:g}"
+                    f"link down: {self._failures} failed probes/transfers in a row "
+                    f"(failures_to_down {self.failures_to_down})"
                 )
-            if rtt is not None and rtt * 1e3 / 2 > self.max_latency_ms:
+            if not self._healthy:
+                reasons.extend(self._bad_reasons)
+                if self._good_streak:
+                    reasons.append(
+                        f"recovering: {self._good_streak} of healthy_after {self.healthy_after} "
+                        "good evaluations"
+                    )
+            if breaker == "open":
+                left = self._opened_at + self.breaker_cooldown_s - now
                 reasons.append(
-                    f"one-way latency {rtt * 1e3 / 2:.3g} ms > max_latency_ms {self.max_latency_ms:g}"
+                    f"circuit breaker open: failed transfers (breaker_failures {self.breaker_failures}); "
+                    f"half-open in {left:.3g} s"
                 )
-            if loss > self.max_loss_rate:
-                reasons.append(f"loss rate {loss:.3g} > {self.max_loss_rate:g}")
+            elif breaker == "half_open":
+                reasons.append(
+                    f"circuit breaker half-open: {self._half_open_ok} of half_open_successes "
+                    f"{self.half_open_successes} successful probes"
+                )
             return LinkSnapshot(
-                bandwidth_bps=bw,
-                rtt_ms=None if rtt is None else rtt * 1e3,
-                min_rtt_ms=None if self._min_rtt is None else self._min_rtt * 1e3,
+                rtt_ms=rtt_ms,
+                bandwidth_gbps=bw,
+                configured_bandwidth_gbps=self._configured_gbps,
                 loss_rate=loss,
                 retransmit_rate=retx,
-                samples=self._samples,
-                rtt_samples=self._rtt_samples,
                 up=up,
-                healthy=not reasons,
+                healthy=self._healthy,
+                breaker=breaker,
                 reasons=tuple(reasons),
-                age_s=None if self._last_any is None else now - self._last_any,
+                rtt_samples=self._rtt_samples,
+                bandwidth_samples=self._bw_samples,
+                transfers_ok=self._transfers_ok,
+                transfers_failed=self._transfers_failed,
             )
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ internals (lock held)
 
-    def _success(self) -> float:
-        now = self._clock()
-        self._failures = 0
-        self._last_any = now
-        return now
+    def _estimates(self, now: float) -> tuple[float | None, float | None, float, float]:
+        """(rtt_ms, bandwidth_gbps, loss_rate, retransmit_rate) as of `now`."""
+        rtt_ms = min(self._rtts) * 1e3 if self._rtts else None
+        horizon = now - self.bandwidth_window_s
+        while self._bw and self._bw[0][0] < horizon:
+            self._bw.popleft()
+        bw = self._bw[0][1] if self._bw else None
+        frames = sum(s[0] for s in self._stats)
+        loss = sum(s[1] for s in self._stats) / frames if frames else 0.0
+        retx = sum(s[2] for s in self._stats) / frames if frames else 0.0
+        return rtt_ms, bw, loss, retx
 
-    def _fresh(self, last: float | None, now: float) -> bool:
-        return last is not None and (self.stale_after_s is None or now - last <= self.stale_after_s)
+    def _evaluate(self, now: float) -> None:
+        """Judge the current estimates once and advance the hysteresis."""
+        rtt_ms, bw, loss, _ = self._estimates(now)
+        bad: list[str] = []
+        if rtt_ms is not None and rtt_ms / 2 > self.max_latency_ms:
+            bad.append(f"one-way latency {rtt_ms / 2:.3g} ms > max_latency_ms {self.max_latency_ms:g}")
+        if bw is not None and bw < self.min_bandwidth_gbps:
+            bad.append(f"bandwidth {bw:.3g} Gbit/s < min_bandwidth_gbps {self.min_bandwidth_gbps:g}")
+        if loss > self.max_loss_rate:
+            bad.append(f"loss rate {loss:.3g} > max_loss_rate {self.max_loss_rate:g}")
+        if bad:
+            self._bad_reasons = tuple(bad)
+            self._bad_streak += 1
+            self._good_streak = 0
+            if self._healthy and self._bad_streak >= self.unhealthy_after:
+                self._healthy = False
+        else:
+            self._good_streak += 1
+            self._bad_streak = 0
+            if not self._healthy and self._good_streak >= self.healthy_after:
+                self._healthy = True
+                self._bad_reasons = ()
+
+    def _breaker_state(self, now: float) -> BreakerState:
+        """The breaker's state as of `now`: an open breaker whose cooldown has passed is half-open."""
+        if self._breaker == "open" and now - self._opened_at >= self.breaker_cooldown_s:
+            self._breaker = "half_open"
+            self._half_open_ok = 0
+        return self._breaker
+
+    def _open_breaker(self, now: float) -> None:
+        self._breaker = "open"
+        self._opened_at = now
+        self._half_open_ok = 0
+
+    def _close_breaker(self) -> None:
+        self._breaker = "closed"
+        self._breaker_fails = 0
+        self._half_open_ok = 0
 
 
-def _fraction(what: str, part: int, whole: int) -> float:
-    if whole <= 0 or not 0 <= part <= whole:
-        raise ValueError(f"{what} needs 0 <= part <= whole and whole > 0, got {part} of {whole}")
-    return part / whole
+def _check_number(
+    name: str,
+    value: float,
+    *,
+    low: float,
+    low_open: bool = False,
+    high: float | None = None,
+    allow_inf: bool = False,
+    what: str | None = None,
+) -> None:
+    """Raise ValueError naming `name` unless `value` is a real number in range (NaN never is).
+
+    numbers.Real rather than float so numpy scalars pass; bool is excluded because True as a
+    threshold or a duration is always a caller's slip.
+    """
+    ok = (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and not math.isnan(value)
+        and (allow_inf or not math.isinf(value))
+        and (value > low if low_open else value >= low)
+        and (high is None or value <= high)
+    )
+    if not ok:
+        rng = f"{'>' if low_open else '>='} {low:g}" + ("" if high is None else f" and <= {high:g}")
+        prefix = f"{what}: " if what else ""
+        raise ValueError(f"{prefix}{name} must be a {'' if allow_inf else 'finite '}number {rng}, got {value!r}")
+
+
+def _check_int(name: str, value: int, low: int, *, what: str | None = None) -> None:
+    """Raise ValueError naming `name` unless `value` is an integer >= `low` (a bool is not a count)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+        prefix = f"{what}: " if what else ""
+        raise ValueError(f"{prefix}{name} must be an integer >= {low}, got {value!r}")

@@ -1,4 +1,5 @@
-"""Active RTT probing of a link: a tiny echo endpoint and a periodic prober feeding a LinkMonitor.
+"""Active probing of a link: a tiny echo endpoint and a periodic RTT prober feeding a LinkMonitor,
+and a helper that turns a payload fetch into a bandwidth sample.
 
 Transfers alone leave an idle link unmeasured, and the scheduler must know a link is bad *before*
 it sends a long prompt's KV over it. The prober keeps one TCP connection to an echo endpoint on the
@@ -6,16 +7,20 @@ far side and times a small request/response every `interval_s` ("echo" mode). "c
 a fresh TCP handshake instead, which needs no echo endpoint but sees only what the network stack
 does (a user-space proxy such as the link emulator answers the handshake itself).
 
-Failures (refused, reset, no answer within `timeout_s`) are reported to the monitor, which marks the
-link down after a few in a row.
-"""
+Each probe reports its RTT (`record_rtt`, a measurement for the min filter) and its outcome
+(`record_probe`, which drives `up` and closes a half-open circuit breaker). Failures (refused,
+reset, no answer within `timeout_s`) are reported as `record_probe(False)`.
 
+RTTs are timed with `time.perf_counter`, not the monitor's clock: they are real durations on this
+machine, while the monitor's clock only places samples in its windows (and is faked in tests).
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from crossfill.net.link_monitor import LinkMonitor
@@ -72,12 +77,14 @@ class LinkProber:
         except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             log.debug("probe of %s:%d failed: %r", self.host, self.port, exc)
             self._drop_connection()
-            self.monitor.record_failure()
+            self.monitor.record_probe(False)
             return None
         self.monitor.record_rtt(rtt)
+        self.monitor.record_probe(True)
         return rtt
 
     async def start(self) -> None:
+        """Probe every `interval_s` in a background task until `stop()`."""
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
@@ -112,3 +119,41 @@ class LinkProber:
         if self._conn is not None:
             self._conn[1].transport.abort()
             self._conn = None
+
+
+async def measure_bandwidth(
+    fetch: Callable[[], Awaitable[int]],
+    monitor: LinkMonitor,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    exclude_rtt: bool = True,
+) -> float | None:
+    """Time one payload fetch across the link and record it as a bandwidth sample.
+
+    `fetch` moves a payload over the link (e.g. an HTTP GET of a few MiB from the far side, read to
+    the end) and returns the bytes it received. It is timed from before the request to after the
+    last byte, so anything on this machine that is slow (a late event loop, a busy CPU) only adds
+    time and lowers the sample, which the monitor's max filter then ignores. A sample timed from
+    the first byte instead could count bytes that queued in socket buffers while the loop was late,
+    overestimate, and be held by the max filter for a whole window.
+
+    The request and the first byte's way back are one round trip that is not payload on the wire;
+    with `exclude_rtt` the monitor's current RTT estimate (its minimum, so never more than the real
+    round trip) is subtracted, but never more than half the elapsed time: if the RTT estimate is off
+    (stale, another path), a payload too small for the link would otherwise turn into a huge sample
+    that the max filter keeps. Size the payload so its wire time is several round trips. Samples
+    under the monitor's `min_sample_bytes` are ignored by it.
+
+    Returns the sample in Gbit/s, or None when nothing usable was measured. Exceptions from `fetch`
+    propagate and nothing is recorded: the caller knows whether its failure is a probe failure.
+    """
+    rtt_ms = monitor.snapshot().rtt_ms if exclude_rtt else None
+    t0 = clock()
+    nbytes = await fetch()
+    seconds = clock() - t0
+    if rtt_ms is not None:
+        seconds -= min(rtt_ms / 1e3, seconds / 2)
+    if nbytes <= 0 or seconds <= 0:
+        return None
+    monitor.record_bandwidth(nbytes, seconds)
+    return nbytes * 8 / seconds / 1e9
