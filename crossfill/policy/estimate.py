@@ -7,7 +7,9 @@ prefill (KV streams layer by layer while prefill computes), so it costs max(comp
 The transfer waits behind the bytes already in flight on the link (congestion back-off). The
 datacenter's cost weight scales the whole path.
 
-The offload gate answers "does sending the KV cost less than computing it here?" It is linear in
+The offload gate answers "does the link move this KV faster than local prefill would make it?" It
+compares capacities, not latencies: the round trip is a latency every remote request pays, which the
+long-prompt threshold (re-tuned from the planner's throughput model) accounts for. It is linear in
 the prompt length with a slope of (local seconds per token - link seconds per token), so it is
 monotone: when the link carries KV faster than local prefill makes it, a longer prompt only gains
 from crossing; when it does not, no prompt does. (Queue waits are left out of the gate on purpose:
@@ -46,11 +48,16 @@ class Estimates:
             return self.routing.long_context_threshold_tokens
         return live
 
-    def incremental(self, remotes: Sequence[InstanceState], cached: Callable[[str], int]) -> int:
-        """Tokens a remote prefill would have to compute and send: neither cached there nor held by decode."""
-        if not remotes:
-            return self.prompt - self.held
-        return min(self.prompt - max(cached(s.name), self.held) for s in remotes)
+    def incremental(self, locals_: Sequence[InstanceState], cached: Callable[[str], int]) -> int:
+        """Tokens that make a prompt "long": neither cached on local prefill nor held by decode.
+
+        Measured against the local side because that is the cost the threshold weighs: a prompt
+        whose prefix local prefill (or decode) already has is cheap to serve here, however long it
+        is; one cached only in a remote pool is still long here, and the remote instance holding it
+        then wins the ranking.
+        """
+        best_local = max((cached(s.name) for s in locals_), default=0)
+        return self.prompt - max(best_local, self.held)
 
     def tokens_per_s(self, s: InstanceState) -> float:
         return s.prefill_tokens_per_s or self.routing.assumed_prefill_tokens_per_s
@@ -61,13 +68,13 @@ class Estimates:
         gbps = link.bandwidth_gbps if link.bandwidth_gbps is not None else link.configured_bandwidth_gbps
         return None if gbps is None else gbps * 1e9
 
-    def transfer_seconds(self, link: LinkState | None, tokens: int) -> float:
-        """Sending `tokens` tokens' KV behind what is in flight, plus one round trip (0 if unknown)."""
+    def transfer_seconds(self, link: LinkState | None, tokens: int, *, rtt: bool = True) -> float:
+        """Sending `tokens` tokens' KV behind what is in flight (+ one round trip); 0 if unknown."""
         bw, bpt = self.bandwidth_bps(link), self.snap.kv_bytes_per_token
-        rtt = 2 * (link.latency_ms or 0.0) / 1000 if link is not None else 0.0
+        rtt_s = 2 * (link.latency_ms or 0.0) / 1000 if link is not None and rtt else 0.0
         if bw is None or bpt is None or link is None:
-            return rtt
-        return (link.in_flight_bytes + max(tokens, 0) * bpt) * 8 / bw + rtt
+            return rtt_s
+        return (link.in_flight_bytes + max(tokens, 0) * bpt) * 8 / bw + rtt_s
 
     def path_seconds(self, s: InstanceState, cached: int) -> float:
         compute = max(self.prompt - cached, 1) / self.tokens_per_s(s)
@@ -124,7 +131,7 @@ def offload_gate(est: Estimates, locals_: Sequence[InstanceState], remotes: Sequ
                         f"{f' (cost weight {w:g})' if w != w_local else ''}, no faster than local prefill "
                         f"at {1 / local_s_per_tok:.0f} tok/s")
             continue
-        send = est.transfer_seconds(link, send_tokens)
+        send = est.transfer_seconds(link, send_tokens, rtt=False)
         compute = local_tokens * local_s_per_tok
         saved = w_local * compute - w * send
         if best is None or saved > best[0]:

@@ -6,8 +6,8 @@ never waits and never does I/O; everything it knows comes in through `RouteReque
 
 The dimensions it weighs, each visible in the route's `reason`:
 
-- *incremental length*: the long-prompt threshold applies to the tokens that neither the
-  candidate remote prefill instance has cached nor the decode instance already holds;
+- *incremental length*: the long-prompt threshold applies to the tokens that neither local
+  prefill has cached nor the decode instance already holds (what serving it here would cost);
 - *KV already present*: the scheduler's KV index gives each instance's longest cached prefix
   (`RouteRequest.cached_tokens`); instances are ranked by the time they would take, so the one
   holding a conversation's history or a shared system prompt wins, and the decode instance
@@ -298,7 +298,7 @@ class _Decision:
 
     def _auto(self) -> Route:
         threshold = self.est.threshold
-        incremental = self.est.incremental(self.remote_room or self.remote_avail, self.cached)
+        incremental = self.est.incremental(self.local_avail, self.cached)
         long_prompt = incremental >= threshold
         size = (f"{incremental} uncached tokens ({self.req.prompt_tokens} in the prompt)"
                 if incremental != self.req.prompt_tokens else f"prompt {incremental} tokens")

@@ -33,10 +33,12 @@ def snap(*, link: LinkState | None = None, local_q: int = 0, remote_q: int = 0, 
 
 # -- one test per dimension: change one input, the decision flips ---------------------------------
 
-def test_incremental_length_cached_on_remote_prefill_is_not_counted_against_the_threshold() -> None:
+def test_incremental_length_cached_on_local_prefill_is_not_counted_against_the_threshold() -> None:
     assert decide(RouteRequest(1500), snap(), CFG).kind == "remote"
-    r = decide(RouteRequest(1500, cached_tokens={"far-prefill-0": 800}), snap(), CFG)
-    assert r.kind == "local" and "700 uncached tokens" in r.reason
+    r = decide(RouteRequest(1500, cached_tokens={"here-prefill-0": 800}), snap(), CFG)
+    assert r.kind == "local" and "700 uncached tokens" in r.reason and r.prefill_cached_tokens == 800
+    # Cached only in the remote pool, it is still long here, and goes where it is cached.
+    assert decide(RouteRequest(1500, cached_tokens={"far-prefill-0": 800}), snap(), CFG).kind == "remote"
 
 
 def test_incremental_length_held_by_decode_is_not_counted() -> None:
