@@ -173,6 +173,10 @@ class NetworkConfig(_Strict):
     min_bandwidth_gbps: float = Field(40.0, gt=0)
     max_latency_ms: float = Field(10.0, gt=0)
     isolated_transport_queue: bool = True
+    # Not in the seed block: the scheduler's active bandwidth probe of every inter-DC link (a payload
+    # fetched from an instance behind it); 0 turns it off (transfers alone then measure the link).
+    bandwidth_probe_bytes: int = Field(2 * 1024 * 1024, ge=0, le=8 * 1024 * 1024)
+    bandwidth_probe_interval_s: float = Field(1.0, gt=0)
 
 
 class ObservabilityConfig(_Strict):

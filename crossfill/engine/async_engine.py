@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from crossfill.engine.engine import EngineConfig, LLMEngine
+from crossfill.engine.kv_events import KVEventBatch
 from crossfill.engine.sampling import SamplingParams
 from crossfill.engine.types import KVStats, LayerKVChunk, PrefillOutput, RequestOutput
 
@@ -71,8 +72,17 @@ class AsyncEngine:
     def eos_token_ids(self) -> list[int]:
         return sorted(self.engine.eos_token_ids)
 
+    @property
+    def block_size(self) -> int:
+        return self.engine.block_size
+
     def kv_stats(self) -> KVStats:
         return self.engine.kv_stats()
+
+    def kv_events_since(self, seq: int, epoch: str | None = None) -> KVEventBatch:
+        """The prefix cache's hash events (LLMEngine.kv_events_since), read here directly rather
+        than marshalled: the event log is thread-safe, and a health probe must not wait for a step."""
+        return self.engine.kv_events_since(seq, epoch)
 
     # --- requests -----------------------------------------------------------------------------
     async def generate(

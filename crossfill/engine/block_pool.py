@@ -9,10 +9,18 @@ request with the same prefix hash) until it is evicted, least recently used firs
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
 
+if TYPE_CHECKING:
+    from crossfill.engine.kv_events import KVEventLog
+
 NULL_BLOCK = -1
+# The engine's default block size, also what the gateway hashes a prompt with for the KV index:
+# one constant, so the request's hashes and the workers' published hashes use the same blocks.
+DEFAULT_BLOCK_SIZE = 16
 
 
 def chain_hash(parent: bytes, namespace: str, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -28,6 +36,29 @@ def chain_hash(parent: bytes, namespace: str, token_ids: list[int] | tuple[int, 
     return h.digest()
 
 
+def prompt_block_hashes(
+    token_ids: Sequence[int], namespace: str, block_size: int = DEFAULT_BLOCK_SIZE, *,
+    max_blocks: int | None = None,
+) -> list[str]:
+    """Hex chain hashes of the prompt's full blocks, as the engine registers them in `namespace`.
+
+    What the scheduler's KV index matches against the hashes workers publish
+    (crossfill.engine.kv_events); the last partial block is never cached, so it has no hash.
+    `max_blocks` keeps only the first blocks (a cap on what a route query carries).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max(0, max_blocks))
+    out: list[str] = []
+    parent = b""
+    for i in range(n):
+        parent = chain_hash(parent, namespace, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        out.append(parent.hex())
+    return out
+
+
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -38,6 +69,12 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced blocks
+        self.events: KVEventLog | None = None  # hashes registered/forgotten, for the scheduler's KV index
+
+    def publish_events(self, log: KVEventLog) -> None:
+        """Report every hash registered or forgotten from now on to `log` (those held now as stored)."""
+        log.seed(self._block_of)
+        self.events = log
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -85,6 +122,8 @@ class BlockPool:
             return
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash)
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The cached block for a hash, with a new reference taken, or None."""
@@ -103,6 +142,8 @@ class BlockPool:
         block_hash = self._hash_of.pop(block, None)
         if block_hash is not None:
             self._block_of.pop(block_hash, None)
+            if self.events is not None:
+                self.events.evicted(block_hash)
 
     def clear_cache(self) -> None:
         """Drop every cached, unreferenced block (e.g. on a weight reload)."""

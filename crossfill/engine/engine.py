@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 
 from crossfill.engine.attention import ScheduledChunk, StepAttention, export_start
+from crossfill.engine.block_pool import DEFAULT_BLOCK_SIZE
 from crossfill.engine.detokenizer import IncrementalDetokenizer
-from crossfill.engine.kv_cache import PagedKVCache
+from crossfill.engine.kv_cache import LayerGroup, PagedKVCache
 from crossfill.engine.kv_cache_manager import KVCacheManager
+from crossfill.engine.kv_events import KVEventBatch, KVEventLog
 from crossfill.engine.model_loader import load_model
 from crossfill.engine.sampler import sample_batch
 from crossfill.engine.sampling import SamplingParams
@@ -38,7 +40,7 @@ from crossfill.engine.types import (
 @dataclass
 class EngineConfig:
     kv_memory_mb: int = 512
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 1024  # per step: decode tokens + prefill chunk tokens
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -98,6 +100,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=self.cfg.max_num_seqs, max_num_batched_tokens=self.cfg.max_num_batched_tokens
         )
+        # What the prefix cache holds, as hash events for the scheduler's KV index: the pool whose
+        # blocks decide prefix hits (crossfill.engine.kv_events says what that leaves out).
+        self.kv_event_log = KVEventLog()
+        _prefix_deciding_group(self.cache.groups).pool.publish_events(self.kv_event_log)
         self.requests: dict[str, Sequence] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts, commits)
         self.last_step_ran = False  # whether the last step() ran a forward pass (AsyncEngine idles if not)
@@ -255,6 +261,14 @@ class LLMEngine:
     def prefix_cache_hit_rate(self) -> float:
         return self.kv.hit_rate()
 
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def kv_events_since(self, seq: int, epoch: str | None = None) -> KVEventBatch:
+        """Prefix-cache hashes stored/evicted from event `seq` on, or a full reset (thread-safe)."""
+        return self.kv_event_log.since(seq, epoch)
+
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
@@ -383,3 +397,11 @@ class LLMEngine:
             completion_tokens=seq.num_generated,
             num_cached_tokens=seq.num_cached_tokens,
         )
+
+
+def _prefix_deciding_group(groups: list[LayerGroup]) -> LayerGroup:
+    """The first full-attention group: a prefix hit of k blocks needs it to hold blocks 0..k."""
+    for group in groups:
+        if group.kind != "sliding" or group.window is None:
+            return group
+    return groups[0]  # sliding layers only: the index under-reports (see crossfill.engine.kv_events)

@@ -37,16 +37,16 @@ certainly not wire time.
 
 Health with hysteresis
 ----------------------
-After each measurement (`record_rtt`, an accepted `record_bandwidth`, `record_transfer`) the current
-estimates are judged against the seed config's thresholds, as the routing policy judges them:
-one-way latency (RTT / 2) > `max_latency_ms`, bandwidth < `min_bandwidth_gbps`, or loss rate >
-`max_loss_rate` makes the evaluation "bad". An unmeasured quantity is never bad: the configured link
-is trusted until evidence arrives, so a fresh monitor is healthy. `healthy` turns False only after
-`unhealthy_after` bad evaluations in a row and True again only after `healthy_after` good ones, so a
-link near a threshold does not flap. The filters already absorb single noisy samples; hysteresis
-absorbs a threshold crossed by a hair. Probe outcomes (`record_probe`) are not measurements and do
-not count as evaluations, so a prober that reports both an RTT and its outcome is not counted twice.
-Health only changes on evidence: a monitor fed nothing keeps its last verdict.
+Each quantity is judged on its own samples against the seed config's thresholds, as the routing
+policy judges them: a probe's RTT judges latency (one-way = RTT / 2 > `max_latency_ms`), a bandwidth
+sample judges bandwidth (< `min_bandwidth_gbps`), a transfer judges loss (> `max_loss_rate`). An
+unmeasured quantity is never bad: the configured link is trusted until evidence arrives, so a fresh
+monitor is healthy. A quantity turns unhealthy only after `unhealthy_after` bad evaluations *of its
+own* in a row and healthy again only after `healthy_after` good ones, so a link near a threshold does
+not flap, and one low bandwidth sample is not judged again at every RTT probe (which would pass
+`unhealthy_after` within a second). The link is healthy when every quantity is. Probe outcomes
+(`record_probe`) are not measurements and do not count as evaluations. Health only changes on
+evidence: a monitor fed nothing keeps its last verdict.
 
 Up / down and the circuit breaker
 ---------------------------------
@@ -123,6 +123,16 @@ class NetworkThresholds(Protocol):
 
     @property
     def max_latency_ms(self) -> float: ...
+
+
+@dataclass
+class _Verdict:
+    """One quantity's health with its hysteresis state."""
+
+    healthy: bool = True
+    bad_streak: int = 0
+    good_streak: int = 0
+    reason: str = ""  # of the latest bad evaluation
 
 
 class LinkMonitor:
@@ -215,10 +225,7 @@ class LinkMonitor:
         self._transfers_ok = 0
         self._transfers_failed = 0
 
-        self._healthy = True
-        self._bad_streak = 0
-        self._good_streak = 0
-        self._bad_reasons: tuple[str, ...] = ()  # of the latest bad evaluation
+        self._verdicts = {q: _Verdict() for q in ("latency", "bandwidth", "loss")}
 
         self._failures = 0  # failed probes/transfers in a row, for `up`
         self._breaker: BreakerState = "closed"
@@ -250,7 +257,7 @@ class LinkMonitor:
         with self._lock:
             self._rtts.append(float(seconds))
             self._rtt_samples += 1
-            self._evaluate(self._clock())
+            self._evaluate(self._clock(), "latency")
 
     def record_bandwidth(self, nbytes: int, seconds: float) -> None:
         """`nbytes` crossed the link in `seconds` of wire time (a link-limited phase).
@@ -269,7 +276,7 @@ class LinkMonitor:
                 self._bw.pop()
             self._bw.append((now, gbps))
             self._bw_samples += 1
-            self._evaluate(now)
+            self._evaluate(now, "bandwidth")
 
     def record_transfer(self, ok: bool, frames: int = 0, lost: int = 0, retransmitted: int = 0) -> None:
         """One KV transfer's outcome, with its frame counts when the transport has them.
@@ -302,7 +309,7 @@ class LinkMonitor:
                         self._open_breaker(now)
                 elif state == "half_open":
                     self._open_breaker(now)
-            self._evaluate(now)
+            self._evaluate(now, "loss")
 
     def record_probe(self, ok: bool) -> None:
         """A probe that answered (`ok`) or failed outright (refused, reset, timed out).
@@ -345,11 +352,13 @@ class LinkMonitor:
                     f"link down: {self._failures} failed probes/transfers in a row "
                     f"(failures_to_down {self.failures_to_down})"
                 )
-            if not self._healthy:
-                reasons.extend(self._bad_reasons)
-                if self._good_streak:
+            for v in self._verdicts.values():
+                if v.healthy:
+                    continue
+                reasons.append(v.reason)
+                if v.good_streak:
                     reasons.append(
-                        f"recovering: {self._good_streak} of healthy_after {self.healthy_after} "
+                        f"recovering: {v.good_streak} of healthy_after {self.healthy_after} "
                         "good evaluations"
                     )
             if breaker == "open":
@@ -393,28 +402,39 @@ class LinkMonitor:
         retx = sum(s[2] for s in self._stats) / frames if frames else 0.0
         return rtt_ms, bw, loss, retx
 
-    def _evaluate(self, now: float) -> None:
-        """Judge the current estimates once and advance the hysteresis."""
+    def _evaluate(self, now: float, quantity: str) -> None:
+        """Judge `quantity` (latency | bandwidth | loss) on its current estimate; advance its hysteresis.
+
+        Each quantity is judged on its own samples only: a latency verdict moves with probes, a
+        bandwidth verdict with bandwidth samples. Otherwise one low bandwidth sample (taken while
+        the far side was busy starting up) would be judged again at every RTT probe and pass
+        `unhealthy_after` within a second, which is no sustained signal at all.
+        """
         rtt_ms, bw, loss, _ = self._estimates(now)
-        bad: list[str] = []
-        if rtt_ms is not None and rtt_ms / 2 > self.max_latency_ms:
-            bad.append(f"one-way latency {rtt_ms / 2:.3g} ms > max_latency_ms {self.max_latency_ms:g}")
-        if bw is not None and bw < self.min_bandwidth_gbps:
-            bad.append(f"bandwidth {bw:.3g} Gbit/s < min_bandwidth_gbps {self.min_bandwidth_gbps:g}")
-        if loss > self.max_loss_rate:
-            bad.append(f"loss rate {loss:.3g} > max_loss_rate {self.max_loss_rate:g}")
-        if bad:
-            self._bad_reasons = tuple(bad)
-            self._bad_streak += 1
-            self._good_streak = 0
-            if self._healthy and self._bad_streak >= self.unhealthy_after:
-                self._healthy = False
+        bad: str | None = None
+        if quantity == "latency" and rtt_ms is not None and rtt_ms / 2 > self.max_latency_ms:
+            bad = f"one-way latency {rtt_ms / 2:.3g} ms > max_latency_ms {self.max_latency_ms:g}"
+        elif quantity == "bandwidth" and bw is not None and bw < self.min_bandwidth_gbps:
+            bad = f"bandwidth {bw:.3g} Gbit/s < min_bandwidth_gbps {self.min_bandwidth_gbps:g}"
+        elif quantity == "loss" and loss > self.max_loss_rate:
+            bad = f"loss rate {loss:.3g} > max_loss_rate {self.max_loss_rate:g}"
+        v = self._verdicts[quantity]
+        if bad is not None:
+            v.reason = bad
+            v.bad_streak += 1
+            v.good_streak = 0
+            if v.healthy and v.bad_streak >= self.unhealthy_after:
+                v.healthy = False
         else:
-            self._good_streak += 1
-            self._bad_streak = 0
-            if not self._healthy and self._good_streak >= self.healthy_after:
-                self._healthy = True
-                self._bad_reasons = ()
+            v.good_streak += 1
+            v.bad_streak = 0
+            if not v.healthy and v.good_streak >= self.healthy_after:
+                v.healthy = True
+                v.reason = ""
+
+    @property
+    def _healthy(self) -> bool:
+        return all(v.healthy for v in self._verdicts.values())
 
     def _breaker_state(self, now: float) -> BreakerState:
         """The breaker's state as of `now`: an open breaker whose cooldown has passed is half-open."""

@@ -28,6 +28,8 @@ from crossfill.net.link_monitor import LinkMonitor
 log = logging.getLogger(__name__)
 
 _PROBE = b"crossfill-probe\n"
+_MAX_RTT_SHARE = 0.9  # of a bandwidth probe's elapsed time, at most, is taken as its round trip
+_MAX_FRESH_RTT_SHARE = 0.98  # ... when the round trip was measured just before, on the same path
 
 
 async def _echo_handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -139,10 +141,12 @@ async def measure_bandwidth(
 
     The request and the first byte's way back are one round trip that is not payload on the wire;
     with `exclude_rtt` the monitor's current RTT estimate (its minimum, so never more than the real
-    round trip) is subtracted, but never more than half the elapsed time: if the RTT estimate is off
-    (stale, another path), a payload too small for the link would otherwise turn into a huge sample
-    that the max filter keeps. Size the payload so its wire time is several round trips. Samples
-    under the monitor's `min_sample_bytes` are ignored by it.
+    round trip) is subtracted, but never more than `_MAX_RTT_SHARE` of the elapsed time: if the RTT
+    estimate is off (stale, another path), a payload too small for the link would otherwise turn into
+    a huge sample that the max filter keeps. The cap is generous because on a long link the round
+    trip is most of a probe (2 MiB over 1 Gbit/s is 17 ms of wire time beside a 160 ms round trip):
+    a tight cap there reads a healthy link as a slow one. Callers should fetch over the same path
+    the RTT was measured on. Samples under the monitor's `min_sample_bytes` are ignored by it.
 
     Returns the sample in Gbit/s, or None when nothing usable was measured. Exceptions from `fetch`
     propagate and nothing is recorded: the caller knows whether its failure is a probe failure.
@@ -152,8 +156,41 @@ async def measure_bandwidth(
     nbytes = await fetch()
     seconds = clock() - t0
     if rtt_ms is not None:
-        seconds -= min(rtt_ms / 1e3, seconds / 2)
+        seconds -= min(rtt_ms / 1e3, seconds * _MAX_RTT_SHARE)
     if nbytes <= 0 or seconds <= 0:
         return None
     monitor.record_bandwidth(nbytes, seconds)
     return nbytes * 8 / seconds / 1e9
+
+
+async def measure_bandwidth_paired(
+    fetch: Callable[[int], Awaitable[int]],
+    monitor: LinkMonitor,
+    nbytes: int,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    rtt_probes: int = 3,
+) -> float | None:
+    """Like `measure_bandwidth`, but with a round trip measured just before, on the same path.
+
+    `fetch(n)` moves n bytes over the link and returns what it received. The fastest of
+    `rtt_probes` one-byte fetches is the round trip now; it is subtracted from the payload fetch.
+    The monitor's RTT is a minimum over a window, so for a while after the link's latency rises it
+    is the old, lower value: subtracting that would read the added latency as lost bandwidth, and a
+    link that got slower to answer would look thinner too. Noise still only adds time to the
+    payload fetch; it can add time to the one-byte fetches as well, which is why the fastest of
+    several is used and at most `_MAX_FRESH_RTT_SHARE` of the payload fetch is taken off.
+    """
+    rtt = float("inf")
+    for _ in range(max(rtt_probes, 1)):
+        t0 = clock()
+        await fetch(1)
+        rtt = min(rtt, clock() - t0)
+    t0 = clock()
+    got = await fetch(nbytes)
+    seconds = clock() - t0
+    seconds -= min(rtt, seconds * _MAX_FRESH_RTT_SHARE)
+    if got <= 0 or seconds <= 0:
+        return None
+    monitor.record_bandwidth(got, seconds)
+    return got * 8 / seconds / 1e9

@@ -85,6 +85,7 @@ class DecodeWorker(WorkerBase):
         started = time.perf_counter()
         info = RouteInfo(request_id=job.request_id, route=job.route.kind, prefill_instance=job.route.prefill,
                          decode_instance=self.inst.name, degradation_reason=job.route.degradation_reason,
+                         route_reason=job.route.reason, request_type=job.route.request_type,
                          trace_id=job.trace_id, tenant_id=job.tenant_id)
         finished = False  # an answer (result or error) went out
         engine_done = False  # the engine finished the request itself (nothing to abort)
@@ -179,14 +180,16 @@ class DecodeWorker(WorkerBase):
         self.metrics.preemptions.set(stats.get("preemptions", 0))
         return stats
 
-    def _report(self, prefill: str, wire_bytes: int, seconds: float, ok: bool, tail_seconds: float = 0.0) -> None:
-        """Tell the scheduler what a cross-DC transfer cost (its bandwidth estimate); best effort."""
+    def _report(self, prefill: str, wire_bytes: int, seconds: float, ok: bool, tail_seconds: float = 0.0, *,
+                request_id: str | None = None, tokens: int = 0, frames: int = 0, retransmits: int = 0) -> None:
+        """Tell the scheduler what a cross-DC transfer cost (link estimates, breaker, in-flight); best effort."""
         inst = self.instances.get(prefill)
         if inst is None or inst.datacenter == self.inst.datacenter or self.http is None:
             return
         url = f"http://{self.cfg.topology.scheduler.host}:{self.cfg.topology.scheduler.port}/v1/report/transfer"
         body = {"from_datacenter": inst.datacenter, "wire_bytes": wire_bytes, "seconds": seconds,
-                "tail_seconds": tail_seconds, "ok": ok}
+                "tail_seconds": tail_seconds, "ok": ok, "request_id": request_id, "tokens": max(tokens, 0),
+                "frames": frames, "retransmits": retransmits}
 
         async def send() -> None:
             assert self.http is not None

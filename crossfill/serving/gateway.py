@@ -39,8 +39,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import TypeAdapter
 
 from crossfill.config import CrossfillConfig
+from crossfill.engine.block_pool import prompt_block_hashes
 from crossfill.engine.sampling import SamplingParams
 from crossfill.policy.routing import Route
+from crossfill.serving.connector import import_namespace
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
@@ -51,6 +53,8 @@ from crossfill.serving.openai_schema import (
     SamplingFields,
 )
 from crossfill.serving.protocol import (
+    PREFIX_BLOCK_SIZE,
+    ROUTE_PREFIX_MAX_BLOCKS,
     DecodeJob,
     Delta,
     Done,
@@ -228,11 +232,24 @@ class Gateway:
         # No refusal on our own /readyz (it mirrors the scheduler's with a lag): the scheduler
         # answers for the cluster's state at this moment.
         f = job.fields
-        query = {"request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids),
-                 "prefill_policy": f.prefill_policy, "tenant_id": f.tenant_id, "avoid_decode": avoid}
+        query: dict[str, Any] = {"request_id": job.request_id, "prompt_tokens": len(job.prompt_token_ids),
+                                 "prefill_policy": f.prefill_policy, "tenant_id": f.tenant_id,
+                                 "avoid_decode": avoid, "request_type": f.request_type}
+        routing = self.cfg.inference_service.routing
+        # A batch request may wait in the scheduler's batch queue for spare capacity.
+        batch = (f.request_type or routing.tenant(f.tenant_id).request_type) == "batch"
+        route_timeout = routing.batch_max_wait_s + 10.0 if batch else 10.0
+        # The prompt's blocks as chain hashes for the scheduler's KV index (never the tokens): in
+        # the namespace prefill caches under, and in decode's import namespace when that differs.
+        tenant = f.tenant_id or ""
+        decode_ns = import_namespace(self.cfg, tenant)
+        for key, namespace in (("prefix_hashes", tenant), ("decode_prefix_hashes", decode_ns)):
+            if key == "prefix_hashes" or namespace != tenant:
+                query[key] = prompt_block_hashes(job.prompt_token_ids, namespace, PREFIX_BLOCK_SIZE,
+                                                 max_blocks=ROUTE_PREFIX_MAX_BLOCKS)
         while True:
             try:
-                r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=10.0)
+                r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=route_timeout)
                 body = _json(r)
                 if r.status_code == 200:
                     endpoints = {n: Endpoint.model_validate(e) for n, e in (body.pop("endpoints", None) or {}).items()}
@@ -404,7 +421,8 @@ class Gateway:
         t = {k: round(v, 1) for k, v in info.timings_ms.items()}
         line = (f"request {info.request_id} tenant={info.tenant_id} route={info.route} prefill={info.prefill_instance} "
                 f"decode={info.decode_instance} cache={info.cache_id} kv_raw={info.kv_raw_bytes} "
-                f"kv_wire={info.kv_wire_bytes} retries={info.retries} timings_ms={t} finish={finish}")
+                f"kv_wire={info.kv_wire_bytes} retries={info.retries} timings_ms={t} finish={finish} "
+                f"type={info.request_type} reason={info.route_reason!r}")
         if self.tracing and info.trace_id:
             line += f" trace={info.trace_id}"
         if info.degradation_reason:

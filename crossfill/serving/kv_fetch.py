@@ -57,7 +57,8 @@ def retry_pause(n: int) -> float:
 
 
 # Called with (prefill instance, wire bytes, seconds, ok, tail seconds) after a transfer (best effort).
-TransferReport = Callable[[str, int, float, bool, float], None]
+# report(prefill instance, wire bytes, seconds, ok, tail seconds, request_id=, tokens=, frames=, retransmits=)
+TransferReport = Callable[..., None]
 
 
 class KVFetcher:
@@ -115,7 +116,7 @@ class KVFetcher:
                 info.retries = len(failures)
                 self.metrics.retries.inc()
                 log.warning("decode %s: KV from %s failed (%s)", job.request_id, step.instance, exc.reason)
-                self.report(step.instance, 0, 0.0, False, 0.0)
+                self.report(step.instance, 0, 0.0, False, 0.0, request_id=job.request_id)
                 continue
             note = degradation_note(plan, failures, step, self._where(step.instance, job))
             if note is not None:
@@ -219,10 +220,10 @@ class KVFetcher:
         finally:
             if not got_both:
                 await cancel_and_wait(kv_task, pre_task)
-        self._finish_in_background(pre_task, name)
+        self._finish_in_background(pre_task, name, pjob)
         return first_fut.result(), t_kv[0]
 
-    def _finish_in_background(self, pre_task: asyncio.Task[PrefillDone], name: str) -> None:
+    def _finish_in_background(self, pre_task: asyncio.Task[PrefillDone], name: str, job: PrefillJob) -> None:
         """Let the prefill stream reach `done`, then report the transfer to the scheduler."""
         self.background.add(pre_task)
 
@@ -230,7 +231,10 @@ class KVFetcher:
             self.background.discard(t)
             if t.cancelled() or t.exception() is not None:
                 return
-            k = t.result().kv
-            self.report(name, k.wire_bytes, k.duration_s, True, k.commit_wait_s)
+            done_event = t.result()
+            k = done_event.kv
+            self.report(name, k.wire_bytes, k.duration_s, True, k.commit_wait_s, request_id=job.request_id,
+                        tokens=len(job.prompt_token_ids) - done_event.export_from, frames=k.frames,
+                        retransmits=k.retransmits)
 
         pre_task.add_done_callback(done)

@@ -32,6 +32,9 @@ class SamplingFields(_Lenient):
     prefill_policy: PrefillPolicyField = "auto"
     tenant_id: StrictStr | None = None
     trace_id: StrictStr | None = None
+    # interactive (TTFT matters) or batch (may wait for spare remote capacity); None: the
+    # tenant's default from inference_service.routing.tenants (interactive).
+    request_type: Literal["interactive", "batch"] | None = None
 
     @field_validator("stop")
     @classmethod

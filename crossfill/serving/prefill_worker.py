@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -55,9 +56,18 @@ class PrefillWorker(WorkerBase):
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
         super().__init__(cfg, inst, engine, capacity=cfg.inference_service.prefill_pool.max_queue_depth)
         self.connector = PrefillConnector(cfg, inst)
+        # (tokens computed, seconds) of recent prefills: the speed the scheduler's routing and
+        # re-tuning assume for this instance. A sum over several jobs, so long prompts (where
+        # speed matters) weigh more than short ones (where fixed costs dominate).
+        self._speed: deque[tuple[int, float]] = deque(maxlen=20)
+
+    def prefill_tokens_per_s(self) -> float | None:
+        tokens, seconds = sum(t for t, _ in self._speed), sum(s for _, s in self._speed)
+        return tokens / seconds if tokens > 0 and seconds > 0 else None
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "transport": self.connector.transport}
+        return {**super().stats(), "transport": self.connector.transport,
+                "prefill_tokens_per_s": self.prefill_tokens_per_s()}
 
     async def on_started(self) -> None:
         await self.connector.start()
@@ -135,6 +145,9 @@ class PrefillWorker(WorkerBase):
             t_commit = time.perf_counter()
             timings["commit_wait"] = (t_commit - t_done) * 1000
             self.metrics.prefill.observe(t_done - start)
+            computed = len(job.prompt_token_ids) - out.num_cached_tokens
+            if computed > 0 and t_done > start:
+                self._speed.append((computed, t_done - start))
             log.info("prefill %s cache=%s tokens=%d cached=%d sent_from=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s%s",
                      job.request_id, job.cache_id, len(job.prompt_token_ids), out.num_cached_tokens, plan.export_from,
                      timings["prefill"], stats.raw_bytes, stats.wire_bytes, job.decode_instance,

@@ -15,16 +15,37 @@ so there is one definition of each.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
+from crossfill.engine.block_pool import DEFAULT_BLOCK_SIZE
 from crossfill.engine.sampling import SamplingParams
 from crossfill.policy.routing import Route
 
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# Block size of a route query's prefix hashes: the engine's default, which every worker runs with
+# (each publishes its own as `block_size` in /v1/admin/stats; hashes at another size never match).
+PREFIX_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
+# Prompt blocks a route query names by hash (64k tokens at the default block size of 16): enough
+# to tell instances apart, and a bounded cost to send and to match per request.
+ROUTE_PREFIX_MAX_BLOCKS = 4096
+_BLOCK_HASH = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def _block_hash(value: str) -> str:
+    if not _BLOCK_HASH.fullmatch(value):
+        raise ValueError("a block hash is 32 hex characters "
+                         "(crossfill.engine.block_pool.prompt_block_hashes)")
+    return value.lower()
+
+
+BlockHash = Annotated[str, AfterValidator(_block_hash)]
 
 
 class RouteQuery(_Msg):
@@ -35,6 +56,13 @@ class RouteQuery(_Msg):
     # Decode instances that just failed this request (the gateway is routing it again): avoided
     # while another one can take it, still chosen when it is the only one (it may be back by now).
     avoid_decode: list[str] = Field(default_factory=list)
+    request_type: Literal["interactive", "batch"] | None = None  # None: the tenant's default
+    # The prompt's full blocks as chain hashes (never tokens or text), for the KV index: in the
+    # prefill namespace (tenant id, "" when none) and, only when it differs, in the namespace decode
+    # registers imported KV under (crossfill.serving.connector.import_namespace). Both at block
+    # size PREFIX_BLOCK_SIZE, the first ROUTE_PREFIX_MAX_BLOCKS blocks.
+    prefix_hashes: list[BlockHash] = Field(default_factory=list, max_length=ROUTE_PREFIX_MAX_BLOCKS)
+    decode_prefix_hashes: list[BlockHash] | None = Field(default=None, max_length=ROUTE_PREFIX_MAX_BLOCKS)
 
 
 class Endpoint(_Msg):
@@ -100,6 +128,8 @@ class RouteInfo(BaseModel):
     timings_ms: dict[str, float] = {}
     retries: int = 0
     degradation_reason: str | None = None
+    route_reason: str | None = None  # the routing rule that chose the route (crossfill.policy.decide)
+    request_type: str = "interactive"
     trace_id: str | None = None
     tenant_id: str | None = None
 
@@ -176,6 +206,7 @@ class KVReport(_Msg):
 
     model_config = ConfigDict(extra="ignore")
 
+    frames: int = 0
     raw_bytes: int = 0
     wire_bytes: int = 0
     duration_s: float = 0.0

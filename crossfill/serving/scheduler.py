@@ -1,13 +1,22 @@
-"""The scheduler service: health-checks every worker, watches the links, and routes requests.
+"""The scheduler service: health-checks every worker, watches the links, indexes the KV, routes.
 
-It keeps a live picture of the cluster (per-instance health, readiness and queue depth from
-`GET /v1/admin/stats`, per-link latency from those same probes, which cross the emulated WAN for
-remote instances, and each link's bandwidth) and answers `POST /v1/route`
-by running the pure policy `crossfill.policy.decide` over a snapshot of it. An instance that
-fails `serving.health_check_failures` probes in a row stops receiving traffic; it gets traffic
-again as soon as a probe succeeds. Until its first probe round has answered, the scheduler knows
-nothing and says so (503 `not_ready`, which the gateway retries): a restarted scheduler rejoins
-without routing anything on an empty picture.
+It keeps a live picture of the cluster and answers `POST /v1/route` by running the pure policy
+`crossfill.policy.decide` over a snapshot of it:
+
+- instances: health, readiness, queue depth and measured prefill tokens/s from `GET
+  /v1/admin/stats` every `serving.health_check_interval_ms`. An instance that fails
+  `serving.health_check_failures` probes in a row stops receiving traffic; it gets traffic again
+  as soon as a probe succeeds. Until the first probe round has answered, the scheduler knows
+  nothing and says so (503 `not_ready`, which the gateway retries);
+- KV already present: the same polls carry each worker's prefix-cache events (blocks stored and
+  evicted, as chain hashes), which feed a global `KVIndex`; the gateway sends the prompt's block
+  hashes, so the route knows every instance's longest cached prefix of it;
+- links: one `LinkWatch` per inter-DC link (`crossfill.serving.link_watch`): RTT from the health
+  probes that cross it, bandwidth from an active payload probe and from decode's transfer
+  reports, the circuit breaker from transfer outcomes, and the KV bytes in flight;
+- the slow timescale: every `routing.retune_interval_s` the planner's model re-derives the
+  threshold from the observed lengths and speeds (`crossfill.serving.retune`, `GET /v1/admin/plan`);
+- batch requests the policy defers wait in `BatchQueue`, retried after every probe round.
 
 Scale in and out at run time (`/v1/admin/instances`): `POST` adds a prefill or decode instance
 that is not in the config file (started with `crossfill serve ROLE --instance NAME --datacenter DC
@@ -15,18 +24,6 @@ that is not in the config file (started with `crossfill serve ROLE --instance NA
 (routes carry it to the gateway and decode). `DELETE .../{name}` drains one: no new requests go
 to it, and once a probe sees it empty it is `drained` and can be stopped without dropping a
 request. `POST` of a drained name takes it back. The last active decode instance cannot be removed.
-
-Latency: a link's one-way latency is half the *minimum* round trip of the last
-`_LATENCY_WINDOW` probes. A probe's round trip includes the time both event loops took to get to
-it, so on a loaded machine single probes come back late while the link itself did not change;
-the minimum of a window ignores those and still follows a sustained change within the window.
-
-Bandwidth: routing checks `network.min_bandwidth_gbps` against the link's declared capacity (its
-`bandwidth_gbps` in the topology), which an operator or an external monitor can change at run time
-with `POST /v1/admin/links/{datacenter}`. The goodput of real transfers, which decode reports, is
-shown beside it but does not drive routing: KV is sent layer by layer while prefill computes and
-written into decode's engine between its steps, so a transfer's rate is usually the prefill's or
-the decode engine's, not the link's, and using it would wrongly declare fast links slow.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -45,18 +41,22 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from crossfill.config import CrossfillConfig, Instance
-from crossfill.policy import InstanceState, LinkState, NoRoute, RouteRequest, Snapshot, decide
+from crossfill.engine.block_pool import DEFAULT_BLOCK_SIZE as PREFIX_BLOCK_SIZE
+from crossfill.net.probe import measure_bandwidth_paired
+from crossfill.policy import Defer, InstanceState, NoRoute, RouteRequest, Snapshot, decide
+from crossfill.policy.kv_index import KVIndex
 from crossfill.policy.routing import Route
+from crossfill.serving.batch_queue import BatchQueue
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
+from crossfill.serving.link_watch import LinkWatch
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
 from crossfill.serving.protocol import Endpoint, RouteQuery, _Msg
+from crossfill.serving.retune import Retuner
 
 log = logging.getLogger("crossfill.scheduler")
 
-_EWMA = 0.3  # weight of the newest sample in the goodput estimate
-_LATENCY_WINDOW = 10  # probes whose minimum round trip gives the link latency
-_MIN_BW_SAMPLE_BYTES = 256 * 1024  # smaller transfers measure latency, not goodput
+_EWMA = 0.2  # weight of the newest sample in the KV-bytes-per-token estimate
 
 
 @dataclass
@@ -74,31 +74,24 @@ class _Tracked:
     last_error: str | None = None
     last_ok: float = 0.0
     kv: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Link:
-    datacenter: str
-    configured_gbps: float
-    latency_ms: float | None = None
-    rtt_ms: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
-    bandwidth_gbps: float | None = None  # capacity used by routing: declared, or set via the admin API
-    goodput_gbps: float | None = None  # observed on real transfers (information only, see module doc)
-    up: bool = True
-    transfers_ok: int = 0
-    transfers_failed: int = 0
+    prefill_tokens_per_s: float | None = None  # measured by the instance itself
 
 
 class TransferReport(_Msg):
     from_datacenter: str
     wire_bytes: int
-    seconds: float  # open to commit acknowledged
+    seconds: float  # open to commit acknowledged (the sender's clock: includes all wire time)
     tail_seconds: float = 0.0  # last layer handed over to commit acknowledged
     ok: bool
+    request_id: str | None = None
+    tokens: int = Field(0, ge=0)  # prompt tokens whose KV was sent
+    frames: int = Field(0, ge=0)
+    retransmits: int = Field(0, ge=0)
 
 
 class LinkUpdate(_Msg):
-    bandwidth_gbps: float = Field(gt=0)
+    # An operator's capacity for the link, used instead of the estimate; null clears it.
+    bandwidth_gbps: float | None = Field(gt=0)
 
 
 class InstanceSpec(Endpoint):
@@ -110,24 +103,31 @@ class InstanceSpec(Endpoint):
 class ClusterState:
     """What the scheduler knows; every field is updated by probes or reports, read by snapshot()."""
 
-    def __init__(self, cfg: CrossfillConfig) -> None:
+    def __init__(self, cfg: CrossfillConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.local = cfg.topology.local_datacenter
         self.workers = {i.name: _Tracked(i, cfg.http_url(i.name))
                         for i in cfg.instances() if i.role in ("prefill", "decode")}
-        self.links: dict[str, _Link] = {}
+        svc = cfg.inference_service
+        # A transfer report that never comes (decode died) stops counting as in flight after the
+        # longest a transfer may take: every attempt's KV silence timeout.
+        expire_s = svc.kv_cache.timeout_ms / 1000 * (svc.kv_cache.max_retry + 1) + 10
+        self.links: dict[str, LinkWatch] = {}
         for dc in cfg.topology.datacenters:
             link = cfg.link_to_local(dc)
             if link is not None:
-                self.links[dc] = _Link(dc, link.bandwidth_gbps, bandwidth_gbps=link.bandwidth_gbps)
+                self.links[dc] = LinkWatch(dc, svc.network, link.bandwidth_gbps, expire_s=expire_s, clock=clock)
+        self.kv_index = KVIndex()
+        self.kv_bytes_per_token: float | None = None
+        self.retuner = Retuner(cfg)
         self.rounds = 0
 
-    async def probe(self, client: httpx.AsyncClient, t: _Tracked) -> None:
+    async def probe(self, client: httpx.AsyncClient, t: _Tracked) -> bool:
         url = t.url + "/v1/admin/stats"
         t0 = time.perf_counter()
         try:
-            resp = await client.get(url)
-            rtt_ms = (time.perf_counter() - t0) * 1000
+            resp = await client.get(url, params=self.kv_index.query_params(t.inst.name))
+            rtt_s = time.perf_counter() - t0
             body = resp.json()
             if resp.status_code != 200 or not isinstance(body, dict):
                 raise RuntimeError(f"HTTP {resp.status_code}")
@@ -136,9 +136,10 @@ class ClusterState:
             t.last_error = f"{type(exc).__name__}: {exc}"
             if t.healthy and t.failures >= self.cfg.serving.health_check_failures:
                 t.healthy = False
+                self.kv_index.forget(t.inst.name)  # it may come back empty (restarted)
                 log.warning("instance %s removed from routing after %d failed health checks (%s)",
                             t.inst.name, t.failures, t.last_error)
-            return
+            return False
         if not t.healthy:
             log.info("instance %s answers its health checks again", t.inst.name)
         t.healthy, t.failures, t.last_error, t.last_ok = True, 0, None, time.time()
@@ -149,31 +150,64 @@ class ClusterState:
             log.warning("instance %s drained: no request left on it, it can be stopped", t.inst.name)
         t.capacity = int(body.get("capacity", 1))
         t.kv = dict(body.get("kv", {}))
+        tps = body.get("prefill_tokens_per_s")
+        t.prefill_tokens_per_s = float(tps) if isinstance(tps, int | float) and tps > 0 else None
+        if isinstance(body.get("kv_events"), dict):
+            try:
+                self.kv_index.update(t.inst.name, body["kv_events"])
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning("instance %s sent KV events the index cannot use (%s); asking for a full set",
+                            t.inst.name, exc)
+                self.kv_index.forget(t.inst.name)
         t.routed_since_probe = 0
         link = self.links.get(t.inst.datacenter)
         if link is not None:
-            link.rtt_ms.append(rtt_ms)
-            link.latency_ms = min(link.rtt_ms) / 2
+            link.monitor.record_rtt(rtt_s)
+        return True
 
     async def probe_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.probe(client, t) for t in self.workers.values()))
+        names = list(self.workers)
+        answered = await asyncio.gather(*(self.probe(client, self.workers[n]) for n in names))
         for dc, link in self.links.items():
-            remote = [t for t in self.workers.values() if t.inst.datacenter == dc]
-            # The link is down when nothing behind it answers (instances themselves may just be busy).
-            link.up = not remote or any(t.healthy for t in remote)
+            behind = [ok for n, ok in zip(names, answered, strict=True) if self.workers[n].inst.datacenter == dc]
+            if behind:  # reachable when anything behind it answers (instances themselves may be busy)
+                link.monitor.record_probe(any(behind))
         self.rounds += 1
+
+    async def probe_bandwidth(self, client: httpx.AsyncClient, dc: str) -> None:
+        """One active bandwidth sample of the link to `dc`: a payload fetched from an instance behind it."""
+        nbytes = self.cfg.inference_service.network.bandwidth_probe_bytes
+        # Ready instances only: one still loading or warming its model is busy, and would read as a slow link.
+        behind = sorted((t for t in self.workers.values() if t.inst.datacenter == dc and t.healthy and t.ready),
+                        key=lambda t: t.queue_depth)
+        if not nbytes or not behind:
+            return
+        url = behind[0].url + "/v1/admin/probe"
+
+        async def fetch(n: int) -> int:
+            r = await client.get(url, params={"bytes": n})
+            r.raise_for_status()
+            return len(r.content)
+
+        try:
+            await measure_bandwidth_paired(fetch, self.links[dc].monitor, nbytes)
+        except (httpx.HTTPError, OSError) as exc:  # the health probes judge reachability
+            log.debug("bandwidth probe of link %s failed: %s", dc, exc)
 
     def report_transfer(self, r: TransferReport) -> None:
         link = self.links.get(r.from_datacenter)
         if link is None:
             return
-        if not r.ok:
-            link.transfers_failed += 1
-            return
-        link.transfers_ok += 1
-        if r.wire_bytes >= _MIN_BW_SAMPLE_BYTES and r.seconds > 0:
-            gbps = r.wire_bytes * 8 / r.seconds / 1e9
-            link.goodput_gbps = gbps if link.goodput_gbps is None else (1 - _EWMA) * link.goodput_gbps + _EWMA * gbps
+        link.transferred(r.request_id, r.wire_bytes, r.seconds, r.ok, frames=r.frames, retransmitted=r.retransmits)
+        if r.ok and r.tokens > 0 and r.wire_bytes > 0:
+            bpt = r.wire_bytes / r.tokens
+            prev = self.kv_bytes_per_token
+            self.kv_bytes_per_token = bpt if prev is None else (1 - _EWMA) * prev + _EWMA * bpt
+
+    def link_gbps(self) -> float | None:
+        """Bandwidth of the best link to a remote pool (estimate, or configured), for the planner."""
+        values = [st.bandwidth_gbps or st.configured_bandwidth_gbps for st in (lk.state() for lk in self.links.values())]
+        return max((v for v in values if v), default=None)
 
     def snapshot(self) -> Snapshot:
         states = []
@@ -183,10 +217,34 @@ class ClusterState:
             states.append(InstanceState(
                 name=t.inst.name, role=t.inst.role, datacenter=t.inst.datacenter,  # type: ignore[arg-type]
                 healthy=t.healthy and t.state == "active", ready=t.ready, queue_depth=t.queue_depth,
-                capacity=t.capacity, pending=t.routed_since_probe))
-        links = tuple(LinkState(dc, bandwidth_gbps=lk.bandwidth_gbps, latency_ms=lk.latency_ms, up=lk.up)
-                      for dc, lk in self.links.items())
-        return Snapshot(self.local, tuple(states), links)
+                capacity=t.capacity, pending=t.routed_since_probe, prefill_tokens_per_s=t.prefill_tokens_per_s))
+        links = tuple(lk.state() for lk in self.links.values())
+        return Snapshot(self.local, tuple(states), links, kv_bytes_per_token=self.kv_bytes_per_token,
+                        threshold_tokens=self.retuner.live_threshold())
+
+    def route_request(self, q: RouteQuery) -> RouteRequest:
+        """The policy's view of a route query: cached prefixes looked up in the KV index."""
+        cached: dict[str, int] = {}
+        bs = PREFIX_BLOCK_SIZE
+        if q.prefix_hashes:
+            prefills = [n for n, t in self.workers.items() if t.inst.role == "prefill"]
+            cached.update(self.kv_index.cached_tokens(q.prefix_hashes, bs, prefills))
+        decode_hashes = q.decode_prefix_hashes if q.decode_prefix_hashes is not None else q.prefix_hashes
+        if decode_hashes:
+            decodes = [n for n, t in self.workers.items() if t.inst.role == "decode"]
+            cached.update(self.kv_index.cached_tokens(decode_hashes, bs, decodes))
+        return RouteRequest(q.prompt_tokens, q.prefill_policy, q.tenant_id,  # type: ignore[arg-type]
+                            request_type=q.request_type, cached_tokens=cached)  # type: ignore[arg-type]
+
+    def routed(self, q: RouteQuery, r: Route) -> None:
+        """Count a route: pending on its instances, its KV in flight on the link, its length for retuning."""
+        self.note_routed(r.prefill)
+        self.note_routed(r.decode)
+        self.retuner.observe(q.prompt_tokens)
+        t = self.workers.get(r.prefill)
+        if r.kind == "remote" and t is not None and t.inst.datacenter in self.links:
+            bpt = self.kv_bytes_per_token or 0.0
+            self.links[t.inst.datacenter].routed(q.request_id, int((q.prompt_tokens - r.decode_held_tokens) * bpt))
 
     # -- scale in and out ----------------------------------------------------------------------
     def add(self, spec: InstanceSpec) -> _Tracked:
@@ -244,7 +302,8 @@ class ClusterState:
         return {"role": t.inst.role, "datacenter": t.inst.datacenter, "url": t.inst.url, "state": t.state,
                 "added_at_run_time": t.dynamic, "healthy": t.healthy, "ready": t.ready,
                 "queue_depth": t.queue_depth, "capacity": t.capacity, "failures": t.failures,
-                "last_error": t.last_error, "kv": t.kv}
+                "last_error": t.last_error, "kv": t.kv, "prefill_tokens_per_s": t.prefill_tokens_per_s,
+                "kv_index_blocks": self.kv_index.blocks(t.inst.name)}
 
     def note_routed(self, name: str) -> None:
         t = self.workers.get(name)
@@ -256,13 +315,10 @@ class ClusterState:
             "local_datacenter": self.local,
             "probe_rounds": self.rounds,
             "instances": {n: self.instance_dict(t) for n, t in self.workers.items()},
-            "links": {
-                dc: {"up": lk.up, "latency_ms": lk.latency_ms, "bandwidth_gbps": lk.bandwidth_gbps,
-                     "configured_bandwidth_gbps": lk.configured_gbps, "goodput_gbps": lk.goodput_gbps,
-                     "transfers_ok": lk.transfers_ok,
-                     "transfers_failed": lk.transfers_failed}
-                for dc, lk in self.links.items()
-            },
+            "links": {dc: lk.as_dict() for dc, lk in self.links.items()},
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "threshold_tokens": self.retuner.live_threshold() or
+            self.cfg.inference_service.routing.long_context_threshold_tokens,
         }
 
 
@@ -282,11 +338,14 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     state = ClusterState(cfg)
     readiness = Readiness("scheduler", "scheduler")
     metrics = ServingMetrics()
+    routing = cfg.inference_service.routing
+    batch_queue = BatchQueue(routing.batch_queue_max, routing.batch_max_wait_s)
     interval = cfg.serving.health_check_interval_ms / 1000
 
     async def poll_forever() -> None:
         # Generous: a busy worker (2 cores shared by everything) is slow, not dead.
         timeout = httpx.Timeout(max(interval * 4, 2.0))
+        last_retune = time.monotonic()
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             while True:
                 await state.probe_all(client)
@@ -296,17 +355,39 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
                     readiness.set_ready()
                 else:
                     readiness.set_not_ready("no decode instance is healthy and ready")
+                if batch_queue.retry():
+                    log.info("batch queue: %d request(s) still waiting", len(batch_queue))
+                if time.monotonic() - last_retune >= routing.retune_interval_s:
+                    last_retune = time.monotonic()
+                    plan = state.retuner.retune(snap, state.link_gbps())
+                    if plan.get("status") == "ok":
+                        log.info("retune: live threshold %s tokens (recommended split: %s local prefill, %s decode)",
+                                 plan["live"]["threshold_tokens"], plan["recommended"]["local_prefill_instances"],
+                                 plan["recommended"]["decode_instances"])
                 await asyncio.sleep(interval)
+
+    async def probe_links_forever() -> None:
+        every = cfg.inference_service.network.bandwidth_probe_interval_s
+        # The payload of a slow link takes long: its own timeout, well beyond any link we serve.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(max(every * 10, 30.0)), trust_env=False) as client:
+            while True:
+                for dc in state.links:
+                    await state.probe_bandwidth(client, dc)
+                await asyncio.sleep(every)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(poll_forever())
+        tasks = [asyncio.create_task(poll_forever())]
+        if cfg.inference_service.network.bandwidth_probe_bytes and state.links:
+            tasks.append(asyncio.create_task(probe_links_forever()))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     app = FastAPI(title="crossfill scheduler", lifespan=lifespan)
     install_error_handlers(app)
@@ -319,16 +400,30 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         if state.rounds == 0:
             raise APIError(503, "the scheduler is starting: no health probe round has answered yet",
                            code="not_ready", retry_after=cfg.serving.retry_after_s)
+        req = state.route_request(q)
+
+        def attempt() -> Route:
+            return decide(req, avoiding(state.snapshot(), q.avoid_decode), cfg.inference_service)
+
         try:
-            r = decide(RouteRequest(q.prompt_tokens, q.prefill_policy, q.tenant_id),  # type: ignore[arg-type]
-                       avoiding(state.snapshot(), q.avoid_decode), cfg.inference_service)
+            try:
+                r = attempt()
+            except Defer as deferred:
+                log.info("route %s: batch request queued (%s)", q.request_id, deferred.message)
+
+                def attempt_and_count() -> Route:
+                    routed = attempt()
+                    state.routed(q, routed)  # before the next waiter is tried
+                    return routed
+
+                r = await batch_queue.wait(routing.tenant(q.tenant_id).weight, attempt_and_count)
+            else:
+                state.routed(q, r)
         except NoRoute as exc:
             retry = cfg.serving.retry_after_s if exc.status in (429, 503) else None
             metrics.errors.labels(exc.code).inc()
-            raise APIError(exc.status, exc.message, code=exc.code, retry_after=retry,
-                           param="prefill_policy" if exc.status == 400 else None) from None
-        state.note_routed(r.prefill)
-        state.note_routed(r.decode)
+            param = {"invalid_prefill_policy": "prefill_policy", "invalid_request_type": "request_type"}.get(exc.code)
+            raise APIError(exc.status, exc.message, code=exc.code, retry_after=retry, param=param) from None
         if r.degradation_reason:
             metrics.fallbacks.labels("routing").inc()
             log.warning("request %s degraded at routing: %s", q.request_id, r.degradation_reason)
@@ -351,9 +446,20 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         if link is None:
             raise APIError(404, f"no link from {datacenter!r} to {state.local}; links: {sorted(state.links)}",
                            param="datacenter", code="unknown_link")
-        link.bandwidth_gbps = body.bandwidth_gbps
-        log.warning("link %s: bandwidth set to %g Gbit/s by the admin API", datacenter, body.bandwidth_gbps)
-        return state.as_dict()["links"][datacenter]  # type: ignore[index]
+        link.override_gbps = body.bandwidth_gbps
+        log.warning("link %s: bandwidth %s by the admin API", datacenter,
+                    "override cleared" if body.bandwidth_gbps is None else f"set to {body.bandwidth_gbps:g} Gbit/s")
+        return link.as_dict()
+
+    @app.get("/v1/admin/plan")
+    async def plan() -> dict[str, object]:
+        """The slow timescale: the last re-tuning, and a fresh one from the current picture."""
+        fresh = state.retuner.retune(state.snapshot(), state.link_gbps())
+        live = state.retuner.live_threshold()
+        return {"live_threshold_tokens": live or routing.long_context_threshold_tokens,
+                "threshold_source": "retuned" if live is not None else
+                ("pinned (routing.pin_threshold)" if routing.pin_threshold else "configured (not re-tuned yet)"),
+                "batch_waiting": len(batch_queue), **fresh}
 
     @app.get("/v1/admin/instances")
     async def list_instances() -> dict[str, object]:

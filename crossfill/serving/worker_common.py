@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 
 from crossfill.config import CrossfillConfig, Instance
+from crossfill.engine.kv_events import KVEventBatch
 from crossfill.serving.errors import APIError, install_error_handlers
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
 
 log = logging.getLogger("crossfill.worker")
+PROBE_MAX_BYTES = 8 * 2**20  # `GET /v1/admin/probe?bytes=N`: the most one bandwidth probe fetches
 
 
 class InFlight:
@@ -153,7 +158,14 @@ class WorkerBase:
     def stats(self) -> dict[str, Any]:
         return {"instance": self.inst.name, "role": self.role, "datacenter": self.inst.datacenter,
                 "ready": self.readiness.ready, "reason": self.readiness.reason, "kv": self.kv_stats(),
-                "queue_depth": self.in_flight, "capacity": self.capacity}
+                "queue_depth": self.in_flight, "capacity": self.capacity,
+                "block_size": self.engine.block_size if self.engine is not None else None}
+
+    def kv_events(self, since: int, epoch: str | None) -> dict[str, Any]:
+        """Prefix-cache hash events for the scheduler's KV index (crossfill.engine.kv_events)."""
+        if self.engine is None:  # still loading: nothing cached, and the next poll asks from scratch
+            return KVEventBatch.nothing_yet().as_dict()
+        return self.engine.kv_events_since(since, epoch).as_dict()
 
     def make_app(self, title: str) -> FastAPI:
         @contextlib.asynccontextmanager
@@ -181,9 +193,49 @@ class WorkerBase:
             return {"instance": self.inst.name, **self.kv_stats()}
 
         @app.get("/v1/admin/stats")
-        async def admin_stats() -> dict[str, Any]:
-            return self.stats()
+        async def admin_stats(request: Request) -> JSONResponse:
+            # ?kv_events_since=N[&kv_epoch=E] adds the prefix cache's hash events since N. A
+            # JSONResponse, not a dict: FastAPI's encoder would walk a reset's 100k hashes one by one.
+            body = self.stats()
+            since = _int_param(request, "kv_events_since", None, None)
+            if since is not None:
+                body["kv_events"] = self.kv_events(since, request.query_params.get("kv_epoch"))
+            return JSONResponse(body)
+
+        @app.get("/v1/admin/probe")
+        async def admin_probe(request: Request) -> Response:
+            """N incompressible bytes: the scheduler times this fetch to measure the link's bandwidth."""
+            n = _int_param(request, "bytes", 1, PROBE_MAX_BYTES)
+            if n is None:
+                raise APIError(400, f"'bytes' is required: how many bytes to send, 1 to {PROBE_MAX_BYTES}",
+                               param="bytes", code="missing_field")
+            data = _probe_payload()
+            return Response(data if n == len(data) else data[:n], media_type="application/octet-stream",
+                            headers={"Cache-Control": "no-store"})
 
         app.state.worker = self
         app.state.drain = self.drain
         return app
+
+
+def _int_param(request: Request, name: str, lo: int | None, hi: int | None) -> int | None:
+    """An integer query parameter (None when absent); a 400 naming it when it is not one in [lo, hi]."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f" in [{lo}, {hi}]" if lo is not None and hi is not None else ""
+        raise APIError(400, f"'{name}' must be an integer{bounds}, got {raw!r}", param=name,
+                       code="invalid_value")
+    return value
+
+
+@functools.cache
+def _probe_payload() -> bytes:
+    # Random, so no compression on the path makes the link look faster; made once per process,
+    # then sliced, so a probe costs a copy and not a random-number generation.
+    return os.urandom(PROBE_MAX_BYTES)

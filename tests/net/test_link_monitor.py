@@ -17,7 +17,7 @@ import pytest
 from crossfill.config import NetworkConfig
 from crossfill.net.link_monitor import LinkMonitor, LinkSnapshot
 from crossfill.net.linkemu import LinkEmulator
-from crossfill.net.probe import LinkProber, measure_bandwidth, start_echo_server
+from crossfill.net.probe import LinkProber, measure_bandwidth, measure_bandwidth_paired, start_echo_server
 
 from .conftest import wait_for
 
@@ -491,9 +491,9 @@ async def test_measure_bandwidth_times_the_whole_fetch_less_one_rtt() -> None:
     mon.record_rtt(0.020)
     gbps = await measure_bandwidth(fetch_taking(0.12, 625 * MB), mon, clock=clock)
     assert gbps == pytest.approx(50) and mon.snapshot().bandwidth_gbps == pytest.approx(50)
-    # never more than half the fetch is subtracted (a stale RTT must not make a huge sample)
+    # never more than 90 % of the fetch is subtracted (a stale RTT must not make a huge sample)
     gbps = await measure_bandwidth(fetch_taking(0.021, 1 * MB), mon, clock=clock)
-    assert gbps == pytest.approx(1 * MB * 8 / 0.0105 / 1e9)
+    assert gbps == pytest.approx(1 * MB * 8 / 0.0021 / 1e9)
     # nothing received: nothing recorded
     assert await measure_bandwidth(fetch_taking(0.1, 0), mon, clock=clock) is None
     assert mon.snapshot().bandwidth_samples == 3
@@ -504,3 +504,31 @@ async def test_measure_bandwidth_times_the_whole_fetch_less_one_rtt() -> None:
     with pytest.raises(OSError):
         await measure_bandwidth(failing, mon, clock=clock)
     assert mon.snapshot().bandwidth_samples == 3 and mon.snapshot().up
+
+
+def test_one_low_bandwidth_sample_is_not_judged_again_at_every_rtt_probe() -> None:
+    """A low sample taken while the far side was busy starting must not flip health by itself."""
+    mon = LinkMonitor(min_bandwidth_gbps=0.5, max_latency_ms=50, unhealthy_after=3, clock=lambda: 0.0)
+    mon.record_bandwidth(2 << 20, 0.12)  # 0.14 Gbit/s
+    for _ in range(20):
+        mon.record_rtt(0.010)
+    assert mon.snapshot().healthy
+    mon.record_bandwidth(2 << 20, 0.12)
+    mon.record_bandwidth(2 << 20, 0.12)
+    snap = mon.snapshot()
+    assert not snap.healthy and any("min_bandwidth_gbps" in r for r in snap.reasons)
+
+
+async def test_paired_bandwidth_probe_subtracts_the_round_trip_measured_now() -> None:
+    """Right after latency rose, the monitor's windowed-min RTT is stale: the paired probe is not."""
+    clock = Clock()
+    mon = monitor(clock)
+    mon.record_rtt(0.010)  # the old, low round trip still in the window
+
+    async def fetch(n: int) -> int:  # 160 ms round trip now, 1 Gbit/s on the wire
+        clock.advance(0.160 + n * 8 / 1e9)
+        return n
+
+    gbps = await measure_bandwidth_paired(fetch, mon, 2 * MB, clock=clock)
+    assert gbps == pytest.approx(1.0, rel=1e-6)
+    assert mon.snapshot().bandwidth_gbps == pytest.approx(1.0, rel=1e-6)

@@ -92,7 +92,10 @@ def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
         "decode_pool": {"replicas": 1, "resource_class": "high_bandwidth", "max_concurrent_requests": 8},
         "kv_cache": {"compression_enabled": True, "compression_mode": "hybrid_attention", "checksum_enabled": True,
                      "timeout_ms": SHORT_KV_TIMEOUT_MS, "max_retry": 1},
-        "network": {"min_bandwidth_gbps": 0.5, "max_latency_ms": 50, "isolated_transport_queue": True},
+        # min_bandwidth_gbps far below the emulated 1 Gbit/s: on a loaded 2-core machine the
+        # scheduler's bandwidth probe (Python on both ends, through a Python emulator) may measure
+        # a third of that, and no test should lose the link to a busy CPU.
+        "network": {"min_bandwidth_gbps": 0.05, "max_latency_ms": 50, "isolated_transport_queue": True},
         "observability": {"metrics_enabled": True, "tracing_enabled": True, "log_level": "info"},
     }
     for key, value in overrides.items():

@@ -7,6 +7,7 @@ import json
 import re
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -15,6 +16,15 @@ import httpx
 SHORT = "The quick brown fox"
 # Well over the test cluster's long_context_threshold_tokens (64) with the tiny tokenizer.
 LONG = "Prefill is compute bound; decode is memory bandwidth bound. " * 12
+
+
+def unique_long() -> str:
+    """LONG with a first block no cache holds: under `auto`, a prompt decode or local prefill has
+    seen before is cheap to serve locally (cache-aware routing), so a test of length-based routing
+    needs a prompt nobody has cached."""
+    return f"Request {uuid.uuid4().hex}: " + LONG
+
+
 # A stall no test waits out: the test ends it (heal) once it saw what it waited for.
 FOREVER_MS = 600_000
 

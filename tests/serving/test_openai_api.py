@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from serving_helpers import LONG, SHORT
+from serving_helpers import SHORT, unique_long
 
 ALL_WORKERS = ["here-prefill-0", "here-decode-0", "far-prefill-0"]
 
@@ -47,7 +47,7 @@ def test_chat_streamed_equals_not_streamed_and_reports_route(client: openai.Open
 
 
 def test_long_prompt_goes_remote_with_kv_bytes_and_stage_timings(client: openai.OpenAI) -> None:
-    resp = client.completions.create(model="tiny", prompt=LONG, max_tokens=8, temperature=0)
+    resp = client.completions.create(model="tiny", prompt=unique_long(), max_tokens=8, temperature=0)
     info = resp.model_extra["crossfill"]
     assert info["route"] == "remote" and info["prefill_instance"] == "far-prefill-0"
     assert info["retries"] == 0 and info["degradation_reason"] is None
@@ -79,7 +79,7 @@ def test_stop_sequence_and_seeded_sampling(client: openai.OpenAI) -> None:
 
 def test_native_generate(cluster) -> None:
     r = httpx.post(cluster.url + "/v1/generate", timeout=60, json={
-        "request_id": "native-1", "prompt": LONG, "max_tokens": 5, "stream": False, "prefill_policy": "auto",
+        "request_id": "native-1", "prompt": unique_long(), "max_tokens": 5, "stream": False, "prefill_policy": "auto",
         "tenant_id": "acme", "trace_id": "trace-abc", "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
