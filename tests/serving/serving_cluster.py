@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,7 +175,7 @@ class Cluster:
 @contextlib.contextmanager
 def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memory_mb: int = 16,
                    model_overrides: dict | None = None, decode_kv_memory_mb: int | None = None,
-                   **overrides: object) -> Iterator[Cluster]:
+                   edit: Callable[[dict], None] | None = None, **overrides: object) -> Iterator[Cluster]:
     """Start a whole cluster (same code path as `crossfill up`), yield it, stop every process.
 
     Its timeouts are the quiet ones (see QUIET_KV_TIMEOUT_MS) unless a `kv_cache` override sets timeout_ms."""
@@ -188,6 +188,8 @@ def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memo
         rc["kv_memory_mb"] = kv_memory_mb
     if decode_kv_memory_mb is not None:
         doc["resource_classes"]["high_bandwidth"]["kv_memory_mb"] = decode_kv_memory_mb
+    if edit is not None:
+        edit(doc)  # anything else about the cluster, e.g. its topology
     path = tmp_dir / "cluster.yaml"
     path.write_text(yaml.safe_dump(doc))
     cfg = load_config(path)
