@@ -240,7 +240,7 @@ class ClusterState:
         """Count a route: pending on its instances, its KV in flight on the link, its length for retuning."""
         self.note_routed(r.prefill)
         self.note_routed(r.decode)
-        self.retuner.observe(q.prompt_tokens)
+        self.retuner.observe(q.prompt_tokens, time.monotonic())
         t = self.workers.get(r.prefill)
         if r.kind == "remote" and t is not None and t.inst.datacenter in self.links:
             bpt = self.kv_bytes_per_token or 0.0
@@ -361,9 +361,9 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
                     last_retune = time.monotonic()
                     plan = state.retuner.retune(snap, state.link_gbps())
                     if plan.get("status") == "ok":
-                        log.info("retune: live threshold %s tokens (recommended split: %s local prefill, %s decode)",
-                                 plan["live"]["threshold_tokens"], plan["recommended"]["local_prefill_instances"],
-                                 plan["recommended"]["decode_instances"])
+                        log.info("retune: live threshold %s tokens (offload share %.2f, bottleneck %s)",
+                                 plan["live"]["threshold_tokens"], plan["live"]["offload_share"],
+                                 plan["live"]["bottleneck"])
                 await asyncio.sleep(interval)
 
     async def probe_links_forever() -> None:

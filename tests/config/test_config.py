@@ -190,3 +190,21 @@ def test_worker_with_an_unreachable_store_exits_naming_the_key(tmp_path: Path) -
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"inference_service.kv_cache.mooncake_master: nothing answers at 127.0.0.1:{dead}" in out.stdout
     assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("routing, message", [
+    ({"cost_weights": {"far": -1}}, "inference_service.routing.cost_weights.far: a cost weight must be >= 0"),
+    ({"cost_weights": {"mars": 1}}, "inference_service.routing.cost_weights.mars: unknown datacenter"),
+    ({"tenants": {"acme": {"tier": "gold"}}}, "inference_service.routing.tenants.acme.tier: expected one of"),
+    ({"tenants": {"acme": {"request_type": "bulk"}}},
+     "inference_service.routing.tenants.acme.request_type: expected one of"),
+    ({"tenants": {"acme": {"weight": 0}}}, "inference_service.routing.tenants.acme.weight"),
+    ({"batch_capacity_share": 0}, "inference_service.routing.batch_capacity_share"),
+    ({"egress_budget_bytes_per_s": -5}, "inference_service.routing.egress_budget_bytes_per_s"),
+])
+def test_routing_v2_bad_values_name_the_key(routing: dict, message: str) -> None:
+    doc = seed_doc()
+    doc["inference_service"]["routing"].update(routing)
+    with pytest.raises(ConfigError) as e:
+        parse_config(doc)
+    assert message in str(e.value), str(e.value)
