@@ -116,7 +116,10 @@ class KVFetcher:
                 info.retries = len(failures)
                 self.metrics.retries.inc()
                 log.warning("decode %s: KV from %s failed (%s)", job.request_id, step.instance, exc.reason)
-                self.report(step.instance, 0, 0.0, False, 0.0, request_id=job.request_id)
+                if exc.status >= 500 and exc.status != 503:
+                    # A failed transfer or a prefill that broke: evidence about the link for the
+                    # scheduler's circuit breaker. A full queue (429) or a refusal is not.
+                    self.report(step.instance, 0, 0.0, False, 0.0, request_id=job.request_id)
                 continue
             note = degradation_note(plan, failures, step, self._where(step.instance, job))
             if note is not None:

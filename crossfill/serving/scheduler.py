@@ -233,6 +233,10 @@ class ClusterState:
         if decode_hashes:
             decodes = [n for n, t in self.workers.items() if t.inst.role == "decode"]
             cached.update(self.kv_index.cached_tokens(decode_hashes, bs, decodes))
+        # The engine computes at least the prompt's last token itself: it reuses whole blocks
+        # before it, never the block holding that token.
+        reusable = max(q.prompt_tokens - 1, 0) // bs * bs
+        cached = {name: min(tokens, reusable) for name, tokens in cached.items()}
         return RouteRequest(q.prompt_tokens, q.prefill_policy, q.tenant_id,  # type: ignore[arg-type]
                             request_type=q.request_type, cached_tokens=cached)  # type: ignore[arg-type]
 
