@@ -104,8 +104,12 @@ def up(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _remote_healthy(u: Up) -> bool:
-    inst = u.scheduler_view()["instances"][FAR]
-    return inst["healthy"] and inst["ready"]
+    """The remote prefill is back in routing: healthy, ready, and its link usable (failed transfers
+    open the link's circuit breaker, which closes after its cooldown and successful probes)."""
+    view = u.scheduler_view()
+    inst = view["instances"][FAR]
+    link = view["links"][inst["datacenter"]]
+    return inst["healthy"] and inst["ready"] and link["usable"]
 
 
 def test_kill_9_of_the_remote_prefill_mid_transfer_loses_nothing(up: Up) -> None:
