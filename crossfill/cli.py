@@ -25,6 +25,7 @@ _COMMAND_PACKAGES = (
     "crossfill.planner",
     "crossfill.serving",
     "crossfill.reliability",
+    "crossfill.sim",
 )
 
 for _package in _COMMAND_PACKAGES:
