@@ -21,14 +21,14 @@ def _json_default(value: object) -> object:
     return str(value)
 
 
-def _clean(value: object) -> object:
+def json_safe(value: object) -> object:
     """inf/nan become null so --json is strict JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -103,6 +103,6 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {exc}", err=True)
             raise typer.Exit(2) from None
         if as_json:
-            typer.echo(json.dumps(_clean(result), indent=2, default=_json_default))
+            typer.echo(json.dumps(json_safe(result), indent=2, default=_json_default))
         else:
             typer.echo(render_text(result))

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from crossfill.config import ConfigError
+from crossfill.planner.commands import json_safe
 from crossfill.planner.errors import PlanError
 from crossfill.sim.errors import SimError
-
-
-def _clean(value: object) -> object:
-    """inf/nan become null so --json is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
 
 
 def register(app: typer.Typer) -> None:
@@ -60,7 +49,7 @@ def register(app: typer.Typer) -> None:
             spec = load_spec(config, Overrides(lengths=workload, rate=rate, requests=requests, seed=seed, scale=scale,
                                                strategies=names, candidates=candidates), replay)
             outcome = search_rates(spec, replay) if search_rate else run_simulation(spec, replay)
-            report = _clean(outcome.report)
+            report = json_safe(outcome.report)
             assert isinstance(report, dict)
             if out:
                 directory = Path(out)
