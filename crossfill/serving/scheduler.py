@@ -321,9 +321,12 @@ class ClusterState:
             "instances": {n: self.instance_dict(t) for n, t in self.workers.items()},
             "links": {dc: lk.as_dict() for dc, lk in self.links.items()},
             "kv_bytes_per_token": self.kv_bytes_per_token,
-            "threshold_tokens": self.retuner.live_threshold() or
-            self.cfg.inference_service.routing.long_context_threshold_tokens,
+            "threshold_tokens": self.threshold_tokens(),
         }
+
+    def threshold_tokens(self) -> int:
+        """The long-prompt threshold `auto` uses now: re-tuned, or the configured one."""
+        return self.retuner.live_threshold() or self.cfg.inference_service.routing.long_context_threshold_tokens
 
 
 def avoiding(snap: Snapshot, names: list[str]) -> Snapshot:
@@ -460,7 +463,7 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         """The slow timescale: the last re-tuning, and a fresh one from the current picture."""
         fresh = state.retuner.retune(state.snapshot(), state.link_gbps())
         live = state.retuner.live_threshold()
-        return {"live_threshold_tokens": live or routing.long_context_threshold_tokens,
+        return {"live_threshold_tokens": state.threshold_tokens(),
                 "threshold_source": "retuned" if live is not None else
                 ("pinned (routing.pin_threshold)" if routing.pin_threshold else "configured (not re-tuned yet)"),
                 "batch_waiting": len(batch_queue), **fresh}
