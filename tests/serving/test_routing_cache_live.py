@@ -128,6 +128,7 @@ def test_batch_requests_go_to_the_remote_pool_never_local_prefill(cluster) -> No
 
 
 def test_plan_endpoint_reports_the_slow_timescale(cluster) -> None:
+    assert generate(cluster.url, SHORT).status_code == 200  # at least one observed request
     sched = cluster.cfg.topology.scheduler
     plan = httpx.get(f"http://{sched.host}:{sched.port}/v1/admin/plan", timeout=10).json()
     assert plan["live_threshold_tokens"] == 64 and plan["samples"] >= 1, plan
