@@ -190,14 +190,16 @@ class DecodeProfile:
         return float(b / (float(self.tpot_at(b)) * self.output_len))
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path, option: str = "--profile", what: str = "a YAML profile",
+              error: type[ValueError] = PlanError) -> dict[str, Any]:
+    """A YAML file holding a mapping; `error` names `option` and what was expected (CLI input)."""
     p = Path(path)
     if not p.is_file():
-        raise PlanError(f"--profile: file {p} does not exist; expected a YAML profile")
+        raise error(f"{option}: file {p} does not exist; expected {what}")
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
-        raise PlanError(f"--profile: {p} is not valid YAML ({exc})") from exc
+        raise error(f"{option}: {p} is not valid YAML ({exc})") from None
     if not isinstance(data, dict):
-        raise PlanError(f"--profile: {p} must hold a mapping at the top level")
+        raise error(f"{option}: {p} must hold a mapping at the top level")
     return data

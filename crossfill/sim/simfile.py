@@ -22,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from crossfill.config import ConfigError, InferenceServiceConfig
 from crossfill.planner import cluster_file
 from crossfill.planner.errors import PlanError
 from crossfill.planner.optimizer import ClusterSetup
-from crossfill.planner.profiles import DecodeProfile
+from crossfill.planner.profiles import DecodeProfile, read_yaml
 from crossfill.planner.workload import EmpiricalWorkload, Workload, parse_workload_spec
 from crossfill.sim.costs import DecodeSteps, KVCost, PrefillTime
 from crossfill.sim.errors import SimError
@@ -108,16 +107,7 @@ class Overrides:
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise SimError(f"--config: file {p} does not exist; expected a simulation YAML file")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise SimError(f"--config: {p} is not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise SimError(f"--config: {p} must hold a mapping at the top level")
-    return data
+    return read_yaml(path, "--config", "a simulation YAML file", SimError)
 
 
 def load_spec(path: str | Path, overrides: Overrides = Overrides(), trace: Requests | None = None) -> SimSpec:

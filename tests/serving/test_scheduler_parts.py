@@ -93,18 +93,20 @@ async def test_batch_queue_waits_for_capacity_heaviest_tenant_first() -> None:
 
 
 async def test_batch_queue_full_timeout_and_refusal_are_explicit() -> None:
-    q = BatchQueue(max_waiting=1, max_wait_s=0.05)
-
     def never() -> Route:
         raise Defer("no room")
 
-    waiting = asyncio.create_task(q.wait(1.0, never))
+    # Full: a wait long enough that no delay of a loaded machine ends the first waiter first.
+    full = BatchQueue(max_waiting=1, max_wait_s=3600)
+    waiting = asyncio.create_task(full.wait(1.0, never))
     await asyncio.sleep(0)
     with pytest.raises(NoRoute) as e:
-        await q.wait(1.0, never)
+        await full.wait(1.0, never)
     assert e.value.code == "batch_queue_full"
+    waiting.cancel()
+    # Timeout: waited for, whatever it takes the loop to get there.
     with pytest.raises(NoRoute) as e:
-        await waiting
+        await BatchQueue(max_waiting=1, max_wait_s=0.01).wait(1.0, never)
     assert e.value.code == "batch_queue_timeout"
 
     def refused() -> Route:
