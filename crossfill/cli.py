@@ -26,6 +26,7 @@ _COMMAND_PACKAGES = (
     "crossfill.serving",
     "crossfill.reliability",
     "crossfill.sim",
+    "crossfill.security",
 )
 
 for _package in _COMMAND_PACKAGES:

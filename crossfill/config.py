@@ -286,6 +286,80 @@ class ServingConfig(_Strict):
     retry_budget_s: float = Field(20.0, ge=0)
 
 
+# --------------------------------------------------------------------------- security
+
+
+class DevKeyConfig(_Strict):
+    """An API key written in the config file itself: for local demos only (printed at start-up)."""
+
+    key: str = Field(min_length=16)
+    tenant: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    admin: bool = False  # may call the admin endpoints (/v1/admin/...)
+
+
+class AuthConfig(_Strict):
+    """Who may call the gateway: API keys per tenant (`security.auth`)."""
+
+    # false: anyone, tenant from the body (the `--no-auth` demo mode, logged loudly at start-up).
+    enabled: bool = True
+    # JSON lines of hashed keys, written by `crossfill keys add TENANT --keys-file F`.
+    keys_file: str | None = None
+    dev_keys: list[DevKeyConfig] = []
+
+
+class TenantLimitsConfig(_Strict):
+    """Abuse limits of one tenant; None: no limit of that kind."""
+
+    requests_per_minute: float | None = Field(600.0, gt=0)
+    # Prompt tokens plus max_tokens per minute.
+    tokens_per_minute: int | None = Field(None, ge=1)
+    max_concurrent_streams: int | None = Field(64, ge=1)
+
+
+class LimitsConfig(_Strict):
+    default: TenantLimitsConfig = TenantLimitsConfig()
+    tenants: dict[str, TenantLimitsConfig] = {}
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger request bodies get 413
+    # A client that has not sent its whole request body after this long is cut off (408).
+    client_body_timeout_s: float = Field(30.0, gt=0)
+
+    def tenant(self, tenant_id: str) -> TenantLimitsConfig:
+        return self.tenants.get(tenant_id, self.default)
+
+
+class ServiceTLSConfig(_Strict):
+    """Mutual TLS on every HTTP hop between services and on the KV data plane (`security.tls`)."""
+
+    enabled: bool = True
+
+
+class TicketConfig(_Strict):
+    """Signed transfer tickets: the scheduler's permission for one request's KV to move."""
+
+    enabled: bool = True
+    ttl_s: float = Field(120.0, gt=0)
+
+
+class KVEncryptionConfig(_Strict):
+    """AES-GCM of KV at rest in any store, under a per-tenant key bound to the cache id."""
+
+    enabled: bool = True
+
+
+class SecurityConfig(_Strict):
+    # Where the deployment's secrets live: the CA and a certificate per service, the ticket signing
+    # keys and the KV master key (`crossfill certs init DIR`; `crossfill up` writes it when missing).
+    # Relative paths are relative to the working directory, as every path in this file.
+    dir: str = ".crossfill/security"
+    auth: AuthConfig = AuthConfig()
+    tls: ServiceTLSConfig = ServiceTLSConfig()
+    tickets: TicketConfig = TicketConfig()
+    kv_encryption: KVEncryptionConfig = KVEncryptionConfig()
+    limits: LimitsConfig = LimitsConfig()
+    # Hash-chained JSON lines, one file per service (`crossfill audit verify FILE`); None: off.
+    audit_dir: str | None = ".crossfill/audit"
+
+
 class CrossfillConfig(_Strict):
     inference_service: InferenceServiceConfig = InferenceServiceConfig()
     model: ModelConfig = ModelConfig()
@@ -295,6 +369,7 @@ class CrossfillConfig(_Strict):
     }
     topology: TopologyConfig
     serving: ServingConfig = ServingConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> CrossfillConfig:

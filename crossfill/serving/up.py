@@ -82,6 +82,10 @@ def _mooncake_master(address: str) -> subprocess.Popen[bytes]:
 
 
 def start_children(cfg: CrossfillConfig, config_path: str) -> list[Child]:
+    # Secrets every process reads must exist before any starts (two creating them would disagree).
+    from crossfill.security.paths import ensure_symmetric_keys, security_dir
+
+    ensure_symmetric_keys(security_dir(cfg))
     children: list[Child] = []
 
     def add(name: str, args: list[str], ready_url: str | None) -> None:

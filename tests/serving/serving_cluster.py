@@ -12,6 +12,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -106,6 +107,11 @@ def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
         "resource_classes": {"high_compute": {"torch_threads": 1, "kv_memory_mb": 16},
                              "high_bandwidth": {"torch_threads": 1, "kv_memory_mb": 16}},
         "serving": {"health_check_interval_ms": 200, "health_check_failures": 2, "startup_timeout_s": 120},
+        # The tests of other concerns call every service directly with plain httpx and no API key, so
+        # their clusters turn off the client-facing parts of security (tests/security runs the
+        # defaults: keys, mutual TLS); tickets and KV encryption at rest stay on everywhere.
+        "security": {"dir": tempfile.mkdtemp(prefix="crossfill-security-"), "audit_dir": None,
+                     "auth": {"enabled": False}, "tls": {"enabled": False}},
         "topology": {
             "local_datacenter": "here",
             "gateway": {"port": base},
