@@ -22,7 +22,7 @@ import httpx
 import yaml
 
 from crossfill.config import load_config
-from crossfill.serving.up import start_children, stop_children, wait_ready
+from crossfill.serving.up import probe_tls, start_children, stop_children, wait_ready
 
 SYSTEM = ("You are the operations assistant of a company that runs LLM inference in two datacenters. "
           "Prefill runs in a remote compute-dense pool; the KV cache crosses a WAN link to the local "
@@ -72,7 +72,7 @@ def run(config: Path, offset: int, reuse: bool, turns: int, max_tokens: int) -> 
         cfg = load_config(path)
         children = start_children(cfg, str(path))
         try:
-            why = wait_ready(children, cfg.serving.startup_timeout_s, [False])
+            why = wait_ready(children, cfg.serving.startup_timeout_s, [False], probe_tls(cfg))
             if why:
                 sys.exit(f"cluster did not start: {why}")
             gw = cfg.topology.gateway

@@ -456,9 +456,12 @@ class CrossfillConfig(_Strict):
     def instances(self) -> list[Instance]:
         """Every process of the deployment, gateway and scheduler first."""
         topo = self.topology
+        scheme = self.http_scheme()
         out = [
-            Instance("gateway", "gateway", topo.local_datacenter, topo.gateway.host, topo.gateway.port),
-            Instance("scheduler", "scheduler", topo.local_datacenter, topo.scheduler.host, topo.scheduler.port),
+            Instance("gateway", "gateway", topo.local_datacenter, topo.gateway.host, topo.gateway.port,
+                     scheme="http"),  # the public listener: API keys, not certificates (docs/SECURITY.md)
+            Instance("scheduler", "scheduler", topo.local_datacenter, topo.scheduler.host, topo.scheduler.port,
+                     scheme=scheme),
         ]
         for dc_name, dc in topo.datacenters.items():
             for role, placement, default in (
@@ -470,7 +473,8 @@ class CrossfillConfig(_Strict):
                 count = default if placement.replicas is None else placement.replicas
                 for i in range(count):
                     kv_port = None if placement.kv_port is None else placement.kv_port + i
-                    out.append(Instance(f"{dc_name}-{role}-{i}", role, dc_name, dc.host, placement.port + i, kv_port))
+                    out.append(Instance(f"{dc_name}-{role}-{i}", role, dc_name, dc.host, placement.port + i, kv_port,
+                                        scheme))
         return out
 
     def instance(self, name: str) -> Instance:
@@ -524,13 +528,19 @@ class CrossfillConfig(_Strict):
         assert inst.kv_port is not None
         return inst.host, inst.kv_port
 
+    def http_scheme(self) -> str:
+        """How services reach each other: "https" (mutual TLS, security.tls.enabled) or "http"."""
+        return "https" if self.security.tls.enabled else "http"
+
+    def scheduler_url(self) -> str:
+        return f"{self.http_scheme()}://{self.topology.scheduler.host}:{self.topology.scheduler.port}"
+
     def http_url(self, name: str) -> str:
         """The URL the local DC uses to reach instance `name` (through the emulator if its link is emulated)."""
         for c in self.crossings():
             if c.kind == "http" and c.target == name:
-                return f"http://{c.listen_host}:{c.listen_port}"
-        inst = self.instance(name)
-        return f"http://{inst.host}:{inst.port}"
+                return f"{self.http_scheme()}://{c.listen_host}:{c.listen_port}"
+        return self.instance(name).url
 
     def resources(self, role: Role) -> ResourceClassConfig:
         svc = self.inference_service
@@ -549,10 +559,12 @@ class Instance:
     host: str
     port: int
     kv_port: int | None = None
+    # "https" when the deployment runs mutual TLS between services (CrossfillConfig.http_scheme).
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)

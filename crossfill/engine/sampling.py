@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily: dividing float32 logits by a smaller one overflows them
+# to inf (NaN probabilities), and the distribution it means is the argmax anyway.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -42,4 +46,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW

@@ -55,7 +55,9 @@ class Expectation:
     `fingerprint`, `token_digest`, `tenant` and `manifest` are each checked when given; the decode
     worker normally knows the first three (its own model, the request's prompt and tenant).
     `timeout_s` bounds the silence between messages (None: the receiver's `timeout_ms`);
-    `deadline` (time.monotonic seconds) bounds the whole transfer.
+    `deadline` (time.monotonic seconds) bounds the whole transfer. `authorize` is the permission
+    check (decode's transfer-ticket check): called with the first manifest before anything else
+    is looked at, it raises WireError(Reason.TICKET) to refuse it.
     """
 
     cache_id: str
@@ -66,6 +68,7 @@ class Expectation:
     manifest: Manifest | None = None
     timeout_s: float | None = None
     deadline: float | None = None
+    authorize: Callable[[Manifest], None] | None = None
 
 
 @dataclass
@@ -135,6 +138,13 @@ class Assembly:
     def accept_manifest(self, m: Manifest) -> None:
         """Accept the manifest (again, on every connection) or raise WireError with the reason."""
         self._guard()
+        if self.manifest is None and self.expect.authorize is not None:
+            try:
+                self.expect.authorize(m)
+            except WireError as exc:
+                # Not final, and before touch(): a peer without permission can neither fail the
+                # transfer it names nor keep it alive; the permitted sender is still awaited.
+                raise self._refuse(exc.reason, exc.message) from None
         self.touch()
         if self.manifest is not None:
             if m != self.manifest:

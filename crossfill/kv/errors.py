@@ -35,6 +35,7 @@ class Reason(IntEnum):
     TENANT_MISMATCH = 19  # the manifest's tenant is not the one the receiver expects
     DUPLICATE = 20  # manifest for a cache_id that is already being received under another manifest
     NO_RESOURCES = 21  # the receiver could not get the memory the transfer needs (e.g. a TE region)
+    TICKET = 22  # the manifest carries no transfer ticket that permits this cache id here (crossfill.security.tickets)
 
     @property
     def label(self) -> str:

@@ -15,12 +15,21 @@ them (`WatchableKVStore`, e.g. the embedded store), so it reads a key only once 
 store without them (Mooncake Store) it polls with a backoff that is short right after progress
 and grows while idle. `StorePullReceiver.notify(cache_id)` is a wake-up hint for a control channel
 that knows prefill committed. Every wait ends by the transfer's deadline.
+
+At rest (`AtRest`, crossfill.security.kv_crypto): with a cipher every object is sealed before it
+is put (AES-GCM under the tenant's key, bound to the cache id and object key) and opened after it
+is read, so the store (its memory, disk files, a Mooncake segment) only ever holds ciphertext. An
+object that does not open is quarantined: removed from the store at once, counted and audited,
+and the transfer fails with `checksum` (decode falls back as for any bad frame); the rest of the
+cache is removed with it. Objects that open but fail the transfer's checks are quarantined the
+same way, as a cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,11 +48,21 @@ from crossfill.kv.wire import (
     parse_frame,
     parse_manifest_body,
 )
+from crossfill.security.kv_crypto import AtRest, SealError
+
+log = logging.getLogger("crossfill.kv.storepull")
 
 _MIN_TTL_S = 1.0
 # With change notifications a missing key is read again only on a reported put, a hint, or this
 # often: a guard against a notification a store failed to deliver, not a polling loop.
 _WATCH_RECHECK_S = 1.0
+# Failures that mean the stored bytes are wrong (not late, not refused by decode's own state):
+# the cache is quarantined, not just dropped.
+_BAD_BYTES = frozenset({
+    Reason.MALFORMED, Reason.UNKNOWN_VERSION, Reason.FINGERPRINT_MISMATCH, Reason.TOKEN_DIGEST_MISMATCH,
+    Reason.MANIFEST_MISMATCH, Reason.UNKNOWN_LAYER, Reason.TOKEN_RANGE, Reason.OVERSIZED, Reason.CHECKSUM,
+    Reason.CODEC, Reason.COMMIT_DIGEST, Reason.TENANT_MISMATCH,
+})
 # Sleeps bounded by a deadline last this much longer, so the reader wakes after the deadline
 # (and check_time() fails the transfer) rather than a hair before it and spinning.
 _DEADLINE_SLACK_S = 0.001
@@ -86,9 +105,10 @@ class StorePushSender(SenderBackend):
     name = "store"
 
     def __init__(self, store: KVStore, *, timeout_ms: int = 8000, max_retry: int = 2, parallel_puts: int = 4,
-                 owns_store: bool = False) -> None:
+                 owns_store: bool = False, at_rest: AtRest | None = None) -> None:
         super().__init__(timeout_ms, max_retry)
         self.store = store
+        self.at_rest = at_rest or AtRest()  # default: no cipher, objects stored as they are
         self.owns_store = owns_store  # close() closes the store (e.g. a RemoteStore made for this sender)
         self.parallel_puts = max(1, parallel_puts)
 
@@ -122,8 +142,7 @@ class _StoreTransfer(FrameSender):
         """One object, retried up to max_retry times; each attempt bounded by timeout_ms."""
         for attempt in range(self.b.max_retry + 1):
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.b.store.put, key, data, self._ttl(), self.tenant),
-                                       self.b.timeout_s)
+                await asyncio.wait_for(asyncio.to_thread(self._seal_and_put, key, data), self.b.timeout_s)
                 return
             except (StoreError, OSError, TimeoutError) as exc:
                 if attempt == self.b.max_retry:
@@ -131,6 +150,11 @@ class _StoreTransfer(FrameSender):
                                      f"store put of {key} failed {attempt + 1} times: {exc}") from exc
                 self.retransmits += 1
                 await asyncio.sleep(0.05 * 2 ** attempt)
+
+    def _seal_and_put(self, key: str, data: bytes) -> None:
+        """In a worker thread: sealing a frame costs about as much as copying it a few times."""
+        sealed = self.b.at_rest.seal(data, tenant=self.tenant, cache_id=self.m.cache_id, key=key)
+        self.b.store.put(key, sealed, self._ttl(), self.tenant)
 
     async def _put_frame(self, key: str, data: bytes) -> None:
         try:
@@ -160,9 +184,11 @@ class _StoreTransfer(FrameSender):
             return  # nothing was written (the store refused the manifest)
         manifest_key, prefix, commit_key = object_keys(self.m.cache_id)
         keys = [commit_key, manifest_key] + [f"{prefix}{s}" for s in self.checksums]
+        removed = 0
         for key in keys:
             with contextlib.suppress(StoreError, OSError):
-                await asyncio.to_thread(self.b.store.delete, key, self.tenant)
+                removed += await asyncio.to_thread(self.b.store.delete, key, self.tenant)
+        self.b.at_rest.deleted("aborted", tenant=self.tenant, cache_id=self.m.cache_id, objects=removed)
 
     async def _close(self) -> None:
         pass
@@ -235,6 +261,7 @@ class _Pull:
     wake: _Wakeup = field(default_factory=_Wakeup)
     task: asyncio.Task[None] | None = None
     watch: Watch | None = None  # set while the store notifies us of puts
+    quarantined: bool = False  # an object of the transfer did not open and was removed
 
     def on_put(self, key: str) -> None:
         """Store callback, on the putting thread: hand the key to the event loop."""
@@ -275,8 +302,9 @@ class StorePullReceiver(ReceiveBackend):
 
     def __init__(self, store: KVStore, *, timeout_ms: int = 8000, poll_ms: float = 2.0, max_poll_ms: float = 50.0,
                  prefetch: int = 4, delete_after_pull: bool = True, server: StoreService | None = None,
-                 keep_finished: int = 1024) -> None:
+                 keep_finished: int = 1024, at_rest: AtRest | None = None) -> None:
         self.store = store
+        self.at_rest = at_rest or AtRest()  # must match the senders' (same cipher on or off)
         self.server = server  # serves `store` to remote senders while this receiver runs (decode's KV port)
         self.timeout_s = timeout_ms / 1000
         self.poll_s = poll_ms / 1000
@@ -386,7 +414,7 @@ class StorePullReceiver(ReceiveBackend):
         self._counters.add("store_gets")
         try:
             async with asyncio.timeout(_time_left(a)):
-                return await asyncio.to_thread(self.store.get, key, p.tenant), False
+                return await asyncio.to_thread(self._get_and_open, p, key), False
         except TimeoutError:
             return None, True  # the caller's check_time() fails the transfer on its deadline
         except (StoreError, OSError) as exc:
@@ -394,6 +422,25 @@ class StorePullReceiver(ReceiveBackend):
             if time.monotonic() - a.last_activity > a.expect.timeout_s / 2:
                 a.fail(Reason.CONNECTION, f"store get of {key} keeps failing: {exc}")
             return None, True
+
+    def _get_and_open(self, p: _Pull, key: str) -> bytes | None:
+        """In a worker thread: the object's plaintext, None when absent, SealError when it does not open."""
+        blob = self.store.get(key, p.tenant)
+        if blob is None:
+            return None
+        return self.at_rest.open(blob, tenant=p.tenant, cache_id=p.assembly.cache_id, key=key)
+
+    async def _quarantine(self, p: _Pull, key: str, exc: SealError) -> WireError:
+        """An object that does not open: out of the store now, counted, audited; the transfer fails."""
+        p.quarantined = True
+        self._counters.add("quarantined")
+        try:
+            await asyncio.to_thread(self.store.delete, key, p.tenant)
+        except (StoreError, OSError) as err:  # the cache cleanup after the failure tries again
+            self._counters.add("store_errors")
+            log.warning("store pull %s: cannot remove the quarantined object %s: %s", p.assembly.cache_id, key, err)
+        self.at_rest.quarantined(exc.reason, tenant=p.tenant, cache_id=p.assembly.cache_id, key=key)
+        return WireError(Reason.CHECKSUM, f"stored object {key} does not open ({exc}); quarantined")
 
     async def _get(self, p: _Pull, key: str) -> bytes:
         """Read `key` until it exists, sleeping between reads until woken; deadlines bound every sleep."""
@@ -404,9 +451,14 @@ class StorePullReceiver(ReceiveBackend):
                 if a.done.done():
                     a.done.result()  # raises the failure
                 woken = p.wake.arm(key)  # before the read: a put that lands after it still wakes us
-                data, failed = await self._read(p, key)
+                try:
+                    data, failed = await self._read(p, key)
+                except SealError as exc:
+                    raise await self._quarantine(p, key, exc) from None
                 if data is not None:
                     p.backoff.progress()
+                    if self.at_rest.cipher is not None:
+                        self._counters.add("sealed_opened")  # what shows that encryption was on
                     return data
                 self._counters.add("store_misses")
                 await _wait_event(woken, min(self._pause(p, failed), _time_left(a)))
@@ -428,8 +480,14 @@ class StorePullReceiver(ReceiveBackend):
             ok = a.done.done() and a.done.exception() is None
             if not a.done.done():
                 a.fail(Reason.ABORTED, "pull stopped")
+            failure = a.done.exception()
+            if isinstance(failure, TransferError) and failure.reason in _BAD_BYTES and not p.quarantined:
+                # Bytes that opened (or were never sealed) but fail the checks: the cache is bad.
+                self._counters.add("quarantined")
+                self.at_rest.quarantined(failure.reason.label, tenant=p.tenant, cache_id=a.cache_id,
+                                         key=object_prefix(a.cache_id))
             if self.delete_after_pull or not ok:
-                await self._delete(a, p.tenant)
+                await self._delete(a, p.tenant, "consumed" if ok else "failed")
         if a.done.exception() is not None:
             raise a.done.exception()  # type: ignore[misc]
 
@@ -487,19 +545,23 @@ class StorePullReceiver(ReceiveBackend):
             a.fail(exc.reason, exc.message)
             raise
 
-    async def _delete(self, a: Assembly, tenant: str) -> None:
+    async def _delete(self, a: Assembly, tenant: str, why: str) -> None:
         """Remove the transfer's objects in one thread hop (wait() returns after it), bounded by timeout_ms."""
         manifest_key, prefix, commit_key = object_keys(a.cache_id)
         keys = [commit_key, manifest_key]
         if a.manifest is not None:
             keys += [f"{prefix}{s}" for s in range(a.manifest.frame_count)]
+        removed = 0
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.to_thread(self._delete_keys, keys, tenant), self.timeout_s)
+            removed = await asyncio.wait_for(asyncio.to_thread(self._delete_keys, keys, tenant), self.timeout_s)
+        self.at_rest.deleted(why, tenant=tenant, cache_id=a.cache_id, objects=removed)
 
-    def _delete_keys(self, keys: list[str], tenant: str) -> None:
+    def _delete_keys(self, keys: list[str], tenant: str) -> int:
+        removed = 0
         for key in keys:
             with contextlib.suppress(StoreError, OSError):
-                self.store.delete(key, tenant)
+                removed += self.store.delete(key, tenant)
+        return removed
 
 
 def _time_left(a: Assembly) -> float:

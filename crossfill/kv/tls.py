@@ -53,49 +53,12 @@ def client_context(ca: str | Path, cert: str | Path | None = None, key: str | Pa
 
 
 def write_dev_pki(directory: str | Path, server_ip: str = "127.0.0.1") -> dict[str, Path]:
-    """Write a throw-away CA, a server certificate for `server_ip` and a client certificate.
+    """A throw-away CA, a server certificate for `server_ip` and a client certificate.
 
-    For tests, benchmarks and local demos only; production certificates come from the operator's
-    PKI. Returns paths keyed ca, server_cert, server_key, client_cert, client_key.
+    For tests, benchmarks and `kv_cache.tls` demos; a deployment's certificates come from
+    `crossfill certs init` (crossfill.security.pki). Returns paths keyed ca, server_cert,
+    server_key, client_cert, client_key.
     """
-    import datetime
-    import ipaddress
+    from crossfill.security.pki import write_dev_pki as write  # cryptography only when asked for
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def cert(cn: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
-             ca: bool, ip: str | None) -> bytes:
-        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(issuer).public_key(key.public_key())
-             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=7))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if ip:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
-                                critical=False)
-        return b.sign(signer, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
-
-    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    out = {"ca": d / "ca.pem"}
-    out["ca"].write_bytes(cert("crossfill dev CA", ca_key, name("crossfill dev CA"), ca_key, True, None))
-    for who, ip in (("server", server_ip), ("client", None)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        out[f"{who}_cert"] = d / f"{who}.pem"
-        out[f"{who}_key"] = d / f"{who}.key"
-        out[f"{who}_cert"].write_bytes(cert(f"crossfill {who}", key, name("crossfill dev CA"), ca_key, False, ip))
-        out[f"{who}_key"].write_bytes(key_pem(key))
-        out[f"{who}_key"].chmod(0o600)
-    return out
+    return write(directory, server_ip)

@@ -36,6 +36,7 @@ from crossfill.kv.store.remote import RemoteStore, StoreServer
 from crossfill.kv.storepull import StorePullReceiver, StorePushSender
 from crossfill.kv.tcp import KVReceiver, KVSender
 from crossfill.kv.te_backend import TEReceiver, TESender
+from crossfill.security.kv_crypto import AtRest
 
 if TYPE_CHECKING:
     from crossfill.kv.mooncake_te import MooncakeTransferEngine
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 Transport = Literal["tcp", "mooncake_te", "store"]
 TRANSPORTS: tuple[str, ...] = get_args(Transport)
 STORES = ("embedded", "mooncake")
+# How often a worker's store removes (and wipes) expired KV that nobody reads again; without it an
+# expired object would wait for the next put (M5.9: secure deletion of expired caches).
+SWEEP_INTERVAL_S = 5.0
 
 
 def check_transport(transport: str) -> Transport:
@@ -73,11 +77,12 @@ def _split_shared(shared: Any, store: KVStore | None, te: MooncakeTransferEngine
 
 def make_sender(transport: str, *, endpoint: tuple[str, int] | str, tls: ssl.SSLContext | None = None,
                 connections: int = 4, timeout_ms: int = 8000, max_retry: int = 2, store: KVStore | None = None,
-                te: MooncakeTransferEngine | None = None, shared: Any = None) -> TransferBackend:
+                te: MooncakeTransferEngine | None = None, shared: Any = None,
+                at_rest: AtRest | None = None) -> TransferBackend:
     """The sending half for one decode endpoint (its KV port, or its store server for 'store').
 
     `shared`: what `open_shared` returned for this process (the TE engine or the store), instead of
-    passing `te` / `store`.
+    passing `te` / `store`. `at_rest`: how 'store' seals what it writes (None: stored as is).
     """
     kind = check_transport(transport)
     store, te = _split_shared(shared, store, te)
@@ -86,15 +91,19 @@ def make_sender(transport: str, *, endpoint: tuple[str, int] | str, tls: ssl.SSL
     if kind == "mooncake_te":
         return TESender(endpoint, _te_without_tls(te, tls), timeout_ms=timeout_ms, max_retry=max_retry)
     if store is not None:
-        return StorePushSender(store, timeout_ms=timeout_ms, max_retry=max_retry)
+        return StorePushSender(store, timeout_ms=timeout_ms, max_retry=max_retry, at_rest=at_rest)
     remote = RemoteStore(endpoint, tls=tls, timeout_s=timeout_ms / 1000, pool_size=max(4, connections))
-    return StorePushSender(remote, timeout_ms=timeout_ms, max_retry=max_retry, owns_store=True)
+    return StorePushSender(remote, timeout_ms=timeout_ms, max_retry=max_retry, owns_store=True, at_rest=at_rest)
 
 
 def make_receiver(transport: str, *, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None,
                   timeout_ms: int = 8000, store: KVStore | None = None,
-                  te: MooncakeTransferEngine | None = None, shared: Any = None) -> ReceiveBackend:
-    """The receiving half on decode's KV port (host, port); call `await receiver.start()` next."""
+                  te: MooncakeTransferEngine | None = None, shared: Any = None,
+                  at_rest: AtRest | None = None) -> ReceiveBackend:
+    """The receiving half on decode's KV port (host, port); call `await receiver.start()` next.
+
+    `at_rest`: how 'store' opens what it reads; it must match the senders' (same cipher on or off).
+    """
     kind = check_transport(transport)
     store, te = _split_shared(shared, store, te)
     if kind == "tcp":
@@ -104,7 +113,7 @@ def make_receiver(transport: str, *, host: str = "127.0.0.1", port: int = 0, tls
     if store is None:
         raise ValueError("transport 'store' needs the store decode pulls from (an EmbeddedStore or a MooncakeStore)")
     server = StoreServer(store, host, port, tls=tls) if isinstance(store, EmbeddedStore) else None
-    return StorePullReceiver(store, timeout_ms=timeout_ms, server=server)
+    return StorePullReceiver(store, timeout_ms=timeout_ms, server=server, at_rest=at_rest)
 
 
 def make_te_engine(hostname: str = "127.0.0.1", metadata_server: str = "P2PHANDSHAKE",
@@ -166,13 +175,13 @@ async def open_shared(transport: str, *, store: str | None = None, mooncake_mast
         from crossfill.kv.store.mooncake import MooncakeStore
 
         return await asyncio.to_thread(MooncakeStore, mooncake_master, local_hostname=hostname,
-                                       global_segment_bytes=segment_mb << 20)
+                                       global_segment_bytes=segment_mb << 20, sweep_interval_s=SWEEP_INTERVAL_S)
     if store not in (None, "embedded"):
         raise ValueError(f"unknown KV store {store!r}: use one of {', '.join(STORES)}")
     if role == "prefill":
         return None
     return EmbeddedStore(memory_capacity_bytes=segment_mb << 20, disk_dir=disk_dir,
-                         disk_capacity_bytes=(disk_mb << 20) if disk_dir else 0)
+                         disk_capacity_bytes=(disk_mb << 20) if disk_dir else 0, sweep_interval_s=SWEEP_INTERVAL_S)
 
 
 async def close_shared(shared: Any) -> None:

@@ -38,6 +38,7 @@ MAX_HEADS = 1024
 MAX_HEAD_DIM = 4096
 MAX_TOKENS = 1 << 24
 MAX_ID_LEN = 256
+MAX_TICKET_LEN = 4096  # a signed transfer ticket (crossfill.security.tickets)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -118,6 +119,10 @@ class Manifest:
     layers: tuple[LayerEntry, ...]
     version: int = FORMAT_VERSION
     frame_count: int = field(default=-1)
+    # The scheduler's transfer ticket for this cache id (crossfill.security.tickets), which the
+    # receiver checks before anything else; None when tickets are off. Optional, so a version-1
+    # manifest without it still parses (and is refused by a receiver that requires tickets).
+    ticket: str | None = None
 
     def __post_init__(self) -> None:
         if self.frame_count == -1:
@@ -141,6 +146,7 @@ class Manifest:
         skip_tokens: int = 0,
         frame_tokens: int | None = None,
         ttl_s: float = 60.0,
+        ticket: str | None = None,
     ) -> Manifest:
         """Manifest for shipping the KV of `token_ids` produced by layers `layer_specs`.
 
@@ -164,7 +170,7 @@ class Manifest:
         m = cls(
             cache_id=cache_id, request_id=request_id, tenant=tenant, fingerprint=fingerprint,
             token_digest=token_digest(token_ids), num_tokens=n, codec=str(parse_codec(codec)),
-            frame_tokens=frame_tokens, expires_at=time.time() + ttl_s, layers=tuple(entries),
+            frame_tokens=frame_tokens, expires_at=time.time() + ttl_s, layers=tuple(entries), ticket=ticket,
         )
         m.validate()
         return m
@@ -201,6 +207,8 @@ class Manifest:
     def to_json(self) -> bytes:
         d = asdict(self)
         d["layers"] = [asdict(e) for e in self.layers]
+        if self.ticket is None:
+            del d["ticket"]  # without tickets, the bytes are those of a manifest before they existed
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -245,6 +253,8 @@ class Manifest:
             raise bad(f"frame_tokens {self.frame_tokens!r} outside 1..{MAX_TOKENS}")
         if not isinstance(self.expires_at, int | float) or isinstance(self.expires_at, bool):
             raise bad("expires_at must be unix seconds")
+        if self.ticket is not None and (not isinstance(self.ticket, str) or len(self.ticket) > MAX_TICKET_LEN):
+            raise bad(f"field ticket must be a string of at most {MAX_TICKET_LEN} characters")
         if len(self.layers) > MAX_LAYERS:
             raise bad(f"has {len(self.layers)} layers, at most {MAX_LAYERS}", Reason.OVERSIZED)
         seen = set()

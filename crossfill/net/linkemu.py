@@ -36,6 +36,9 @@ Faults, armed at run time (`arm()` or `POST /faults`), act on the next bytes thr
   Order within one connection is kept (TCP is ordered), so the effect is between connections:
   frames striped over parallel streams arrive out of order relative to each other.
 
+Capture (`start_capture()` or `POST /capture`): every byte that crosses, per connection and
+direction, is recorded in memory (crossfill.net.capture) — what an eavesdropper on the WAN sees.
+
 The TCP handshake itself is not delayed (the proxy accepts at once); the first byte still pays the
 one-way latency, so request/response round trips measure 2 x latency.
 """
@@ -50,6 +53,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from crossfill.net.capture import DEFAULT_MAX_BYTES, Capture
 from crossfill.net.units import (
     UnitError,
     format_bandwidth,
@@ -192,6 +196,7 @@ class _Connection:
         self.client = client
         self.upstream = upstream
         self.closed = False
+        self.id = emu.counters.connections_total  # names its streams in a capture
 
     async def run(self) -> None:
         try:
@@ -230,6 +235,8 @@ class _Connection:
                     break
                 counters.bytes_in += len(data)
                 data, cut_now = emu._apply_faults(direction, data)
+                if emu.capture is not None:
+                    emu.capture.record(self.id, direction, data)
                 now = loop.time()
                 depart = max(tx.depart_at(len(data), now), emu._stall_until)
                 if depart > now:
@@ -323,6 +330,7 @@ class LinkEmulator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
         self._control_server: Any = None
+        self.capture: Capture | None = None  # what crosses, while a capture is armed
         self.listen_port: int = 0
         self.control_port: int = 0
 
@@ -422,6 +430,16 @@ class LinkEmulator:
         elif left > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._disarmed.wait(), left)
+
+    def start_capture(self, max_bytes: int = DEFAULT_MAX_BYTES) -> Capture:
+        """Record every byte that crosses from now on, both directions (a fresh, empty capture)."""
+        self.capture = Capture(max_bytes)
+        return self.capture
+
+    def stop_capture(self) -> Capture | None:
+        """Stop recording; returns what was captured."""
+        capture, self.capture = self.capture, None
+        return capture
 
     def status(self) -> dict[str, Any]:
         """Settings, armed faults and counters as JSON-ready data (the control API's GET /link)."""

@@ -10,6 +10,10 @@
                   off), optionally with "direction": "up" (client -> upstream, the default) or
                   "down" for cut and corrupt
     DELETE /faults  disarm everything (ends a stall or partition at once)
+    POST /capture   record every byte that crosses from now on, {"max_bytes": N} optional
+                    (crossfill.net.capture; a fresh capture each time)
+    GET  /capture   what was recorded: per connection and direction, base64
+    DELETE /capture stop recording and drop it
 
 A bad body is answered 400 with {"error": ..., "field": <the offending field>}.
 """
@@ -28,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, model_validator
 
+from crossfill.net.capture import DEFAULT_MAX_BYTES
 from crossfill.net.units import UnitError, parse_bandwidth, parse_duration, parse_loss
 
 if TYPE_CHECKING:
@@ -60,6 +65,12 @@ class FaultRequest(BaseModel):
         if all(getattr(self, name) is None for name in _FAULTS):
             raise ValueError(f"arm at least one of {', '.join(_FAULTS)}")
         return self
+
+
+class CaptureRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_bytes: StrictInt = Field(default=DEFAULT_MAX_BYTES, ge=1, le=1024 * 1024 * 1024)
 
 
 _FAULTS = ("cut_after_bytes", "corrupt_bytes", "stall_ms", "partition_ms", "reorder_ms")
@@ -125,6 +136,23 @@ def build_app(emu: LinkEmulator) -> FastAPI:
     async def delete_faults() -> dict[str, Any]:
         emu.disarm()
         return emu.status()
+
+    @app.post("/capture")
+    async def post_capture(body: CaptureRequest | None = None) -> dict[str, Any]:
+        capture = emu.start_capture((body or CaptureRequest()).max_bytes)
+        return {"capturing": True, "max_bytes": capture.max_bytes}
+
+    @app.get("/capture")
+    async def get_capture() -> Any:
+        if emu.capture is None:
+            return JSONResponse(status_code=404, content={"error": "no capture armed (POST /capture)",
+                                                          "field": None})
+        return emu.capture.as_json()
+
+    @app.delete("/capture")
+    async def delete_capture() -> dict[str, Any]:
+        capture = emu.stop_capture()
+        return {"capturing": False, "captured_bytes": capture.captured_bytes if capture else 0}
 
     return app
 

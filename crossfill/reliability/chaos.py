@@ -44,7 +44,7 @@ async def run_scenario(sc: Scenario, cfg: CrossfillConfig, up: UpProcess, view: 
         return Row(sc.name, error=str(exc))
     concurrency = 3 * capacity(cfg) if sc.mix == "overload" else p.concurrency
     load = LoadGenerator(view.gateway_url, cfg.model.api_name, w.mixes[sc.mix].next_job, concurrency,
-                         p.deadline_s, connect_budget_s=p.wait_s)
+                         p.deadline_s, connect_budget_s=p.wait_s, api_key=view.api_key)
     error, note = None, ""
     await load.start()
     try:

@@ -49,8 +49,10 @@ class Outcome:
     ended: float = 0.0
 
 
-def new_client(timeout_s: float) -> httpx.AsyncClient:
-    return httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout_s, connect=5.0),
+def new_client(timeout_s: float, api_key: str | None = None) -> httpx.AsyncClient:
+    """A client of the gateway; `api_key` (security.auth) goes in every request's Authorization header."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout_s, connect=5.0), headers=headers,
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 
 from crossfill.config import CrossfillConfig, Crossing
+from crossfill.security.keys import client_api_key
+from crossfill.security.tls_http import operator_kwargs
 
 
 @dataclass
@@ -36,21 +38,26 @@ class ClusterView:
         self.cfg = cfg
         topo = cfg.topology
         self.gateway_url = f"http://{topo.gateway.host}:{topo.gateway.port}"
-        self.scheduler_url = f"http://{topo.scheduler.host}:{topo.scheduler.port}"
+        self.scheduler_url = cfg.scheduler_url()
         self.workers = [i.name for i in cfg.instances() if i.role in ("prefill", "decode")]
         self.remote_prefills = [i.name for i in cfg.prefill_instances()
                                 if i.datacenter != topo.local_datacenter]
         self.decodes = [i.name for i in cfg.decode_instances()]
+        # With security.auth on: the config's dev keys, a tenant's for the load, an admin's for the scheduler's view.
+        self.api_key = client_api_key(cfg)
+        admin = client_api_key(cfg, admin=True)
+        self.admin_headers = {"Authorization": f"Bearer {admin}"} if admin else {}
         # No keep-alive: a pooled connection to a process that was just restarted would fail its next call.
-        self.http = httpx.AsyncClient(trust_env=False, timeout=5.0,
-                                      limits=httpx.Limits(max_keepalive_connections=0))
+        # The operator certificate when services run mutual TLS (the gateway's own port is plain).
+        self.http = httpx.AsyncClient(trust_env=False, timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0),
+                                      **operator_kwargs(cfg))
 
     async def close(self) -> None:
         await self.http.aclose()
 
     # -- health ---------------------------------------------------------------------------------
     async def scheduler_view(self) -> dict[str, Any]:
-        return (await self.http.get(self.scheduler_url + "/v1/admin/cluster")).json()
+        return (await self.http.get(self.scheduler_url + "/v1/admin/cluster", headers=self.admin_headers)).json()
 
     async def all_healthy(self) -> bool:
         """The scheduler routes to every instance again (each healthy and ready in its view)."""

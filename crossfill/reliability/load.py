@@ -23,8 +23,9 @@ _MAX_PAUSE_S = 5.0
 
 class LoadGenerator:
     def __init__(self, url: str, model: str, next_job: Callable[[], list[RequestSpec]], concurrency: int,
-                 deadline_s: float, connect_budget_s: float) -> None:
+                 deadline_s: float, connect_budget_s: float, api_key: str | None = None) -> None:
         self.url = url
+        self.api_key = api_key  # sent as `Authorization: Bearer` when the gateway takes API keys
         self.model = model
         self.next_job = next_job
         self.concurrency = concurrency
@@ -40,7 +41,7 @@ class LoadGenerator:
         self._changed = asyncio.Event()  # set whenever a request ends: waiters re-check their condition
 
     async def start(self) -> None:
-        self._http = new_client(self.deadline_s)
+        self._http = new_client(self.deadline_s, self.api_key)
         self._tasks = [asyncio.create_task(self._client()) for _ in range(self.concurrency)]
 
     async def stop(self) -> list[Outcome]:

@@ -96,7 +96,7 @@ async def soak(cfg: CrossfillConfig, up: UpProcess, view: ClusterView, work: Wor
     # Rate drops last until a few answers come back; in a soak a handful is enough.
     fp = replace(p, after=min(p.after, 4), repeats=1)
     load = LoadGenerator(view.gateway_url, cfg.model.api_name, work.mixes["soak"].next_job, p.concurrency,
-                         p.deadline_s, connect_budget_s=p.wait_s)
+                         p.deadline_s, connect_budget_s=p.wait_s, api_key=view.api_key)
     t0 = time.monotonic()
     sampler = Sampler(up, view, t0)
     faults: list[dict[str, Any]] = []

@@ -1,9 +1,88 @@
-"""(being written)"""
+"""`crossfill certs init | issue | show`: the CA and service certificates of `security.dir`."""
 
 from __future__ import annotations
 
+import datetime
+from pathlib import Path
+
 import typer
+
+from crossfill.config import ConfigError
+
+certs_app = typer.Typer(help="Mutual TLS between services: the CA and a certificate per service (security.dir).",
+                        no_args_is_help=True)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(str(exc), err=True)
+    return typer.Exit(2)
+
+
+@certs_app.command("init")
+def init_cmd(directory: str = typer.Argument(..., help="the security folder to write (security.dir)"),
+             config: str = typer.Option(..., "--config", "-c", help="YAML configuration: which services need certificates"),
+             force: bool = typer.Option(False, "--force", help="a new CA and new certificates for every service "
+                                        "(rotation; ticket keys and the KV master key are kept)")) -> None:
+    """Write the CA, a certificate per service of the config (plus "operator"), ticket keys and the KV master key.
+
+    Files that exist are kept, so running it again only fills what is missing (a new instance).
+    """
+    from crossfill.config import load_config
+    from crossfill.security.pki import init_security_dir
+
+    try:
+        cfg = load_config(config)
+        written = init_security_dir(cfg, directory, force=force)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    if written:
+        typer.echo("wrote " + ", ".join(str(p) for p in written))
+    else:
+        typer.echo(f"{directory}: nothing missing")
+    typer.echo(f"config: security: {{dir: {directory}}}")
+    typer.echo("private keys are 0600; ca.key is needed only to issue certificates: keep it off serving hosts")
+
+
+@certs_app.command("issue")
+def issue_cmd(name: str = typer.Argument(..., help="the service: an instance name (e.g. one added at run time) or operator"),
+              config: str = typer.Option(..., "--config", "-c", help="YAML configuration (its security.dir)"),
+              host: list[str] = typer.Option([], "--host", help="an address the service is reached at (repeat); "
+                                             "127.0.0.1, ::1 and localhost are always included")) -> None:
+    """Issue (or re-issue) one service's certificate, signed by the folder's CA."""
+    from crossfill.config import load_config
+    from crossfill.security.pki import issue
+
+    try:
+        cfg = load_config(config)
+        cert, key = issue(cfg, name, list(host))
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    typer.echo(f"wrote {cert}, {key}")
+
+
+@certs_app.command("show")
+def show_cmd(directory: str = typer.Argument(..., help="the security folder (security.dir)")) -> None:
+    """Subject, SANs and expiry of every certificate in the folder."""
+    from crossfill.security.pki import read_certs
+
+    d = Path(directory).expanduser()
+    files = sorted(d.glob("*.pem"))
+    if not files:
+        raise _fail(ConfigError(f"{directory}: no certificates (run `crossfill certs init {directory} --config C`)"))
+    now = datetime.datetime.now(datetime.UTC)
+    for f in files:
+        try:
+            infos = read_certs(f)
+        except ValueError as exc:
+            typer.echo(f"{f.name}: not a PEM certificate ({exc})", err=True)
+            continue
+        for info in infos:
+            left = (info.not_after - now).days
+            state = "EXPIRED" if left < 0 else f"{left} days left"
+            kind = "CA" if info.is_ca else "cert"
+            sans = ", ".join(info.sans) or "-"
+            typer.echo(f"{f.name:<24} {kind:<4} {info.subject}  SANs: {sans}  expires {info.not_after:%Y-%m-%d} ({state})")
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.add_typer(certs_app, name="certs")

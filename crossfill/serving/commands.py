@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from crossfill.config import ROLES, ConfigError, load_config
@@ -33,13 +35,26 @@ pki_app = typer.Typer(help="Certificates for mutual TLS on the KV data plane (kv
 @pki_app.command("dev")
 def pki_dev(directory: str = typer.Argument(..., help="folder to write ca.pem, server.pem/.key, client.pem/.key"),
             ip: str = typer.Option("127.0.0.1", help="IP address the server certificate is valid for")) -> None:
-    """Write a throw-away CA and certificates for a single-machine demo (never for production)."""
+    """Write a throw-away CA and certificates for a kv_cache.tls demo (never for production).
+
+    Mutual TLS on every hop, the KV data plane included, needs no kv_cache.tls: see `crossfill certs init`."""
     from crossfill.kv.tls import write_dev_pki
 
     paths = write_dev_pki(directory, ip)
     typer.echo(f"wrote {', '.join(str(p) for p in paths.values())}")
     cert, key, ca = paths["server_cert"], paths["server_key"], paths["ca"]
     typer.echo(f"kv_cache.tls: {{cert_file: {cert}, key_file: {key}, ca_file: {ca}}}")
+
+
+_NO_AUTH_HELP = "no API keys for this run (security.auth.enabled false): anyone reaching the port is any tenant"
+
+
+def _no_auth(on: bool) -> None:
+    # An environment variable, so every process `up` starts (and restarts) inherits it.
+    if on:
+        from crossfill.security.auth import NO_AUTH_ENV
+
+        os.environ[NO_AUTH_ENV] = "1"
 
 
 def register(app: typer.Typer) -> None:
@@ -56,9 +71,12 @@ def register(app: typer.Typer) -> None:
         port: int | None = typer.Option(None, help="scale out: its HTTP port"),
         kv_port: int | None = typer.Option(None, help="scale out: its KV port (decode)"),
         host: str | None = typer.Option(None, help="scale out: its address (default: the datacenter's host)"),
+        no_auth: bool = typer.Option(False, "--no-auth", help=_NO_AUTH_HELP),
     ) -> None:
         """Run one role of the deployment in this process."""
         from crossfill.serving.run import ExtraInstance, serve_role
+
+        _no_auth(no_auth)
 
         extra = None
         if datacenter is not None or port is not None:
@@ -66,9 +84,12 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(serve_role(role, config, instance, extra))
 
     @app.command()
-    def up(config: str = typer.Option(..., "--config", "-c", help="YAML configuration file")) -> None:
+    def up(config: str = typer.Option(..., "--config", "-c", help="YAML configuration file"),
+           no_auth: bool = typer.Option(False, "--no-auth", help=_NO_AUTH_HELP)) -> None:
         """Start the whole topology on this machine: each role its own process, WAN emulators between DCs."""
         from crossfill.serving.up import run_up
+
+        _no_auth(no_auth)
 
         raise typer.Exit(run_up(config))
 
@@ -79,8 +100,10 @@ def register(app: typer.Typer) -> None:
         short_tokens: int = typer.Option(32, help="tokens of the short prompt"),
         long_tokens: int = typer.Option(1024, help="tokens of the long prompt"),
         repeats: int = typer.Option(3, help="requests per cell (the median is shown)"),
+        api_key: str | None = typer.Option(None, "--api-key", envvar="CROSSFILL_API_KEY",
+                                           help="the gateway's API key (default: the config's first dev key)"),
     ) -> None:
         """TTFT of local vs remote prefill for a short and a long prompt, split into stages, with KV bytes."""
         from crossfill.serving.measure import run_measure
 
-        raise typer.Exit(run_measure(config, url, short_tokens, long_tokens, repeats))
+        raise typer.Exit(run_measure(config, url, short_tokens, long_tokens, repeats, api_key))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from crossfill.kv.assembler import Expectation
 from crossfill.kv.backend import OutgoingTransfer, ReceiveBackend, TransferBackend
 from crossfill.kv.codecs import resolve_compression
 from crossfill.kv.wire import Manifest, token_digest
+from crossfill.security import tls_http
+from crossfill.security.kv_crypto import AtRest, load_cipher
 from crossfill.serving.protocol import PrefillJob
 
 log = logging.getLogger("crossfill.connector")
@@ -63,11 +66,25 @@ def import_namespace(cfg: CrossfillConfig, tenant: str) -> str:
     return tenant if codec.lossless else f"{tenant}#kv-codec={codec}"
 
 
-def tls_contexts(cfg: CrossfillConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
-    """(server, client) contexts for mutual TLS on the data plane; (None, None) when kv_cache.tls is off."""
+def tls_contexts(cfg: CrossfillConfig, service: str) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(server, client) contexts for mutual TLS on the data plane, as instance `service`.
+
+    An explicit kv_cache.tls names its own files; otherwise, with security.tls.enabled, the
+    instance's certificate from security.dir (the one its HTTP port presents). (None, None): off.
+    """
     t = cfg.inference_service.kv_cache.tls
     if t is None:
-        return None, None
+        kv = cfg.inference_service.kv_cache
+        if not cfg.security.tls.enabled:
+            return None, None
+        if kv.transport == "mooncake_te" or (kv.transport == "store" and kv.store == "mooncake"):
+            # Mooncake moves the bytes over its own transport, outside any stream crossfill could
+            # wrap; the HTTP hops stay under mutual TLS and stored KV is encrypted at rest.
+            log.warning("security.tls: KV bytes cross in Mooncake's own plaintext transport (transport %s%s); "
+                        "only the HTTP hops are under mutual TLS", kv.transport,
+                        f", store {kv.store}" if kv.transport == "store" else "")
+            return None, None
+        return tls_http.server_context(cfg, service), tls_http.client_context(cfg, service)
     cert, key, ca = (Path(p).expanduser() for p in (t.cert_file, t.key_file, t.ca_file))
     try:
         return kv_tls.server_context(cert, key, ca), kv_tls.client_context(ca, cert, key)
@@ -96,16 +113,28 @@ def preflight(cfg: CrossfillConfig) -> None:
         raise ConfigError(f"inference_service.kv_cache.transport: {kv.transport!r} cannot be used here: {exc}") from None
 
 
+def kv_at_rest(cfg: CrossfillConfig, **reporting: Any) -> AtRest:
+    """How the store transport seals KV (security.kv_encryption); `reporting`: registry=, audit=.
+
+    The master key is read only where KV lands in a store, and at start-up, so a missing key file
+    stops the worker (ConfigError naming security.dir) instead of failing every transfer.
+    """
+    store = cfg.inference_service.kv_cache.transport == "store"
+    return AtRest(load_cipher(cfg) if store else None, **reporting)
+
+
 def build_manifest(cfg: CrossfillConfig, *, cache_id: str, request_id: str, tenant: str, fingerprint: str,
-                   token_ids: list[int], layer_specs: list[LayerSpec], skip_tokens: int = 0) -> Manifest:
-    """The manifest prefill announces: codec and window pruning from kv_cache.compression_*."""
+                   token_ids: list[int], layer_specs: list[LayerSpec], skip_tokens: int = 0,
+                   ticket: str | None = None) -> Manifest:
+    """The manifest prefill announces: codec and window pruning from kv_cache.compression_*, and the
+    route's transfer ticket, which decode checks before accepting anything."""
     kv = cfg.inference_service.kv_cache
     codec, prune = resolve_compression(kv.compression_enabled, kv.compression_mode, kv.codec)
     # The manifest outlives the transfer's worst case (every retry timing out) by a margin.
     ttl_s = kv.timeout_ms / 1000 * (kv.max_retry + 2) + 30
     return Manifest.build(cache_id=cache_id, request_id=request_id, tenant=tenant, fingerprint=fingerprint,
                           token_ids=token_ids, layer_specs=layer_specs, codec=str(codec), prune_windows=prune,
-                          skip_tokens=skip_tokens, ttl_s=ttl_s)
+                          skip_tokens=skip_tokens, ttl_s=ttl_s, ticket=ticket)
 
 
 def skipped_raw_bytes(layer_specs: list[LayerSpec], cfg: CrossfillConfig, num_tokens: int, skip: int) -> int:
@@ -131,14 +160,15 @@ class ExportPlan:
 class PrefillConnector:
     """Prefill side of the seam: one sender per decode endpoint, opened per transfer."""
 
-    def __init__(self, cfg: CrossfillConfig, inst: Instance) -> None:
+    def __init__(self, cfg: CrossfillConfig, inst: Instance, at_rest: AtRest | None = None) -> None:
         self.cfg = cfg
         self.inst = inst
         self.transport = cfg.inference_service.kv_cache.transport
+        self.at_rest = at_rest or kv_at_rest(cfg)
         self._senders: dict[tuple[str, int], TransferBackend] = {}
         self._shared: Any = None  # the TE engine or Mooncake Store client, when the transport has one
         preflight(cfg)
-        _, self._tls = tls_contexts(cfg)
+        _, self._tls = tls_contexts(cfg, inst.name)
 
     async def start(self) -> None:
         """Connect what the transport needs before the worker reports ready (fails naming the key)."""
@@ -175,7 +205,7 @@ class PrefillConnector:
             kv = self.cfg.inference_service.kv_cache
             sender = transports.make_sender(
                 self.transport, endpoint=key, tls=self._tls, connections=connections_per_transfer(self.cfg),
-                timeout_ms=kv.timeout_ms, max_retry=kv.max_retry, shared=self._shared)
+                timeout_ms=kv.timeout_ms, max_retry=kv.max_retry, shared=self._shared, at_rest=self.at_rest)
             self._senders[key] = sender
         return sender.open(manifest)
 
@@ -196,14 +226,15 @@ class Reservation:
 class DecodeConnector:
     """Decode side of the seam: one receiver on this instance's KV port, for every transfer."""
 
-    def __init__(self, cfg: CrossfillConfig, inst: Instance) -> None:
+    def __init__(self, cfg: CrossfillConfig, inst: Instance, at_rest: AtRest | None = None) -> None:
         self.cfg = cfg
         self.inst = inst
         self.transport = cfg.inference_service.kv_cache.transport
+        self.at_rest = at_rest or kv_at_rest(cfg)
         self.receiver: ReceiveBackend | None = None
         self._shared: Any = None
         preflight(cfg)
-        self._tls, _ = tls_contexts(cfg)
+        self._tls, _ = tls_contexts(cfg, inst.name)
 
     async def start(self) -> None:
         assert self.inst.kv_port is not None
@@ -213,7 +244,7 @@ class DecodeConnector:
             "disk_dir": kv.store_disk_dir, "disk_mb": kv.store_disk_mb})
         self.receiver = await transports.make_receiver(
             self.transport, host=self.inst.host, port=self.inst.kv_port, tls=self._tls,
-            timeout_ms=kv.timeout_ms, shared=self._shared).start()
+            timeout_ms=kv.timeout_ms, shared=self._shared, at_rest=self.at_rest).start()
 
     async def close(self) -> None:
         if self.receiver is not None:
@@ -233,13 +264,15 @@ class DecodeConnector:
         cached = handle.cached_tokens
         return Reservation(handle, cache_id, cached, token_digest(prompt[:cached]) if cached else None)
 
-    def expect(self, res: Reservation, *, fingerprint: str, prompt: list[int], tenant: str) -> None:
+    def expect(self, res: Reservation, *, fingerprint: str, prompt: list[int], tenant: str,
+               authorize: Callable[[Manifest], None] | None = None) -> None:
+        """Register the transfer; `authorize` (the transfer-ticket check) sees its manifest first."""
         kv = self.cfg.inference_service.kv_cache
         checks: dict[str, Any] = {}
         if kv.checksum_enabled:
             checks = {"fingerprint": fingerprint, "token_digest": token_digest(prompt)}
         self._rx().expect(Expectation(cache_id=res.cache_id, sink=res.handle.write, tenant=tenant,
-                                      timeout_s=kv.timeout_ms / 1000, **checks))
+                                      timeout_s=kv.timeout_ms / 1000, authorize=authorize, **checks))
 
     async def wait(self, cache_id: str) -> Manifest:
         return await self._rx().wait(cache_id)

@@ -23,11 +23,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from crossfill.config import CrossfillConfig, Instance
-from crossfill.serving.connector import DecodeConnector
+from crossfill.security.audit import open_audit
+from crossfill.security.tls_http import client_kwargs
+from crossfill.serving.connector import DecodeConnector, kv_at_rest
 from crossfill.serving.errors import APIError, parse_body
 from crossfill.serving.kv_fetch import KVFetcher
 from crossfill.serving.protocol import DecodeJob, Delta, Done, ErrorEvent, Routed, RouteInfo, Usage, ndjson
 from crossfill.serving.streaming import ClosingStreamingResponse, cancel_and_wait, shielded
+from crossfill.serving.transfer_tickets import TicketGate
 from crossfill.serving.worker_common import WorkerBase
 
 log = logging.getLogger("crossfill.decode")
@@ -38,11 +41,14 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
         super().__init__(cfg, inst, engine, capacity=cfg.inference_service.decode_pool.max_concurrent_requests)
-        self.connector = DecodeConnector(cfg, inst)
+        self.audit = open_audit(cfg, inst.name)  # one writer per file, or the hash chain forks
+        self.connector = DecodeConnector(cfg, inst, kv_at_rest(cfg, registry=self.metrics.registry, audit=self.audit))
+        self.tickets = TicketGate(cfg, inst.name, self.metrics, self.audit)
         self.fetcher: KVFetcher | None = None
         self._background: set[asyncio.Task[Any]] = set()  # every task we start, so none is lost
         self.http: httpx.AsyncClient | None = None
         self.instances = {i.name: i for i in cfg.instances()}
+        self._tls = client_kwargs(cfg, inst.name)  # mutual TLS to prefill and the scheduler; {} when off
         self.active: dict[str, asyncio.Task[Any]] = {}  # request id -> the HTTP request task serving it
 
     def supersede(self, request_id: str) -> None:
@@ -67,9 +73,9 @@ class DecodeWorker(WorkerBase):
 
     async def on_started(self) -> None:
         await self.connector.start()
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False, **self._tls)
         self.fetcher = KVFetcher(self.cfg, self.inst, self.engine, self.connector, self.http, self.metrics,
-                                 self._report, self._background)
+                                 self._report, self._background, tickets=self.tickets)
 
     async def close(self) -> None:
         for t in list(self._background):
@@ -186,7 +192,7 @@ class DecodeWorker(WorkerBase):
         inst = self.instances.get(prefill)
         if inst is None or inst.datacenter == self.inst.datacenter or self.http is None:
             return
-        url = f"http://{self.cfg.topology.scheduler.host}:{self.cfg.topology.scheduler.port}/v1/report/transfer"
+        url = self.cfg.scheduler_url() + "/v1/report/transfer"
         body = {"from_datacenter": inst.datacenter, "wire_bytes": wire_bytes, "seconds": seconds,
                 "tail_seconds": tail_seconds, "ok": ok, "request_id": request_id, "tokens": max(tokens, 0),
                 "frames": frames, "retransmits": retransmits}

@@ -42,10 +42,24 @@ from crossfill.config import CrossfillConfig
 from crossfill.engine.block_pool import prompt_block_hashes
 from crossfill.engine.sampling import SamplingParams
 from crossfill.policy.routing import Route
+from crossfill.security.audit import open_audit
+from crossfill.security.auth import Authenticator
+from crossfill.security.limits import AuditThrottle, BodyLimits, LimitExceeded, TenantLimiter
+from crossfill.security.tls_http import client_kwargs
+from crossfill.serving import openapi_doc
 from crossfill.serving.connector import import_namespace
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
+from crossfill.serving.openai_responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    GenerateChunk,
+    GenerateResponse,
+    ModelList,
+)
 from crossfill.serving.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -70,6 +84,7 @@ from crossfill.serving.worker_common import InFlight, drain, release_when_reques
 log = logging.getLogger("crossfill.gateway")
 _ROUTE: TypeAdapter[Route] = TypeAdapter(Route)
 T = TypeVar("T")
+M = TypeVar("M", bound=SamplingFields)
 _TRANSIENT = ("not_ready", "draining")  # a 503 with one of these codes: the same call may work soon
 
 
@@ -159,6 +174,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     reschedules: list[str] = field(default_factory=list)  # decode failures before the client saw a token
     trace_id: str | None = None  # one per request, kept across reschedules
+    ticket: str | None = None  # the scheduler's transfer ticket for the current route (new with each route)
 
 
 class Gateway:
@@ -168,16 +184,43 @@ class Gateway:
         self.readiness = Readiness("gateway", "gateway")
         self.metrics = ServingMetrics()
         self.http: httpx.AsyncClient | None = None
-        self.scheduler_url = f"http://{cfg.topology.scheduler.host}:{cfg.topology.scheduler.port}"
+        self.scheduler_url = cfg.scheduler_url()
+        self._tls = client_kwargs(cfg, "gateway")  # mutual TLS to the scheduler and decode; {} when off
         self.tracing = cfg.inference_service.observability.tracing_enabled
         self.requests = InFlight()
+        self.request_ids: set[str] = set()  # ids of the requests in flight (see claim_id)
+        self.audit = open_audit(cfg, "gateway")
+        self.auth = Authenticator.from_config(cfg, self.audit)  # ConfigError when auth is on and no key exists
+        self.limiter = TenantLimiter(cfg.security.limits, stream_retry_after_s=cfg.serving.retry_after_s)
+        self._limit_audit = AuditThrottle(burst=1, per_s=1)  # one limit_exceeded record per tenant per second
+
+    def claim_id(self, request_id: str) -> None:
+        """Hold `request_id` until its request ends. Workers key aborts and KV by it, so a second request
+        with an id in flight (a client-chosen /v1/generate id) would abort the first: it gets a 409 instead."""
+        if request_id in self.request_ids:
+            raise APIError(409, f"a request with request_id {request_id!r} is in flight; ids must be unique",
+                           param="request_id", code="duplicate_request_id")
+        self.request_ids.add(request_id)
+        release_when_request_ends(lambda: self.request_ids.discard(request_id))
+
+    def admit(self, job: _Job) -> None:
+        """Count `job` against its tenant's limits until the request ends (429 when over one)."""
+        tenant = job.fields.tenant_id or ""
+        try:
+            release = self.limiter.admit(tenant, len(job.prompt_token_ids) + job.sampling.max_tokens)
+        except LimitExceeded as exc:
+            dropped = self._limit_audit.allow(tenant) if self.audit is not None else None
+            if self.audit is not None and dropped is not None:
+                self.audit.record("limit_exceeded", tenant=tenant, code=exc.code, **({"suppressed": dropped} if dropped else {}))
+            raise
+        release_when_request_ends(release)
 
     async def drain(self) -> None:
         await drain(self.readiness, self.requests, "gateway")
 
     async def start(self) -> None:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.serving.request_timeout_s, connect=5.0),
-                                      trust_env=False, limits=httpx.Limits(max_connections=1000))
+                                      trust_env=False, limits=httpx.Limits(max_connections=1000), **self._tls)
         try:
             if self.facts is None:
                 self.readiness.set_not_ready("loading tokenizer")
@@ -253,6 +296,7 @@ class Gateway:
                 body = _json(r)
                 if r.status_code == 200:
                     endpoints = {n: Endpoint.model_validate(e) for n, e in (body.pop("endpoints", None) or {}).items()}
+                    job.ticket = body.pop("ticket", None)
                     return _ROUTE.validate_python(body), endpoints
                 err = APIError.from_body(r.status_code, body, r.headers.get("retry-after"))
                 # A request being routed again was accepted already: wait for a decode instance to
@@ -337,10 +381,11 @@ class Gateway:
         f = job.fields
         job.trace_id = job.trace_id or f.trace_id or (uuid.uuid4().hex if self.tracing else None)
         trace_id = job.trace_id
-        dec_url = endpoints[route.decode].url if route.decode in endpoints else self.cfg.instance(route.decode).url
+        dec_url = (endpoints[route.decode].url(self.cfg.http_scheme()) if route.decode in endpoints
+                   else self.cfg.instance(route.decode).url)
         djob = DecodeJob(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids, sampling=job.sampling,
                          route=route, tenant_id=f.tenant_id, trace_id=trace_id,
-                         deadline_s=self.cfg.serving.request_timeout_s, endpoints=endpoints)
+                         deadline_s=self.cfg.serving.request_timeout_s, endpoints=endpoints, ticket=job.ticket)
         routed_ms = (time.perf_counter() - job.arrived) * 1000
         stack = contextlib.AsyncExitStack()
 
@@ -485,7 +530,10 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                 await gw.http.aclose()
 
     app = FastAPI(title="crossfill gateway", lifespan=lifespan)
+    openapi_doc.install(app, cfg.model.api_name, cfg.security.auth.enabled)
     install_error_handlers(app)
+    lim = cfg.security.limits
+    app.add_middleware(BodyLimits, max_bytes=lim.max_body_bytes, timeout_s=lim.client_body_timeout_s)
     add_health_routes(app, gw.readiness)
     add_metrics_route(app, gw.metrics, cfg.inference_service.observability.metrics_enabled)
     app.state.gateway = gw
@@ -502,23 +550,37 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                            retry_after=cfg.serving.retry_after_s)
         return gw.facts
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def read_request(request: Request, model: type[M]) -> M:
+        """Authenticate, then read the body (a caller without a key gets its 401 before any parsing); the
+        key's tenant becomes the request's tenant, so everything downstream (routing, prefix-cache and KV
+        namespaces, the route report) uses it and never a tenant the body claims."""
+        ident = gw.auth.authenticate(request)
+        req = await parse_body(request, model)
+        req.tenant_id = gw.auth.tenant(request, ident, req.tenant_id)
+        return req
+
+    @app.get("/v1/models", response_model=None, responses=openapi_doc.responses(ModelList, errors=(401, 429)))
+    async def models(request: Request) -> dict[str, Any]:
+        gw.auth.authenticate(request)  # as OpenAI: listing models needs a key too
         return {"object": "list", "data": [{"id": cfg.model.api_name, "object": "model", "created": 0,
                                             "owned_by": "crossfill"}]}
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None,
+              openapi_extra=openapi_doc.request_body(ChatCompletionRequest, openapi_doc.CHAT_EXAMPLES),
+              responses=openapi_doc.responses(ChatCompletion, ChatCompletionChunk))
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await read_request(request, ChatCompletionRequest)
         facts = need_facts()
         gw._check_model(req.model)
         job = gw._job("chat", f"chatcmpl-{uuid.uuid4().hex[:24]}", req.model, facts.chat_tokens(req), req,
                       req.token_limit())
         return await respond(job, request)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None,
+              openapi_extra=openapi_doc.request_body(CompletionRequest, openapi_doc.COMPLETION_EXAMPLES),
+              responses=openapi_doc.responses(Completion, CompletionChunk))
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
-        req = await parse_body(request, CompletionRequest)
+        req = await read_request(request, CompletionRequest)
         facts = need_facts()
         gw._check_model(req.model)
         if req.echo:
@@ -530,9 +592,11 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         job = gw._job("completion", f"cmpl-{uuid.uuid4().hex[:24]}", req.model, tokens, req, req.max_tokens)
         return await respond(job, request)
 
-    @app.post("/v1/generate", response_model=None)
+    @app.post("/v1/generate", response_model=None,
+              openapi_extra=openapi_doc.request_body(GenerateRequest, openapi_doc.GENERATE_EXAMPLES),
+              responses=openapi_doc.responses(GenerateResponse, GenerateChunk, (*openapi_doc.POST_ERRORS, 409)))
     async def generate(request: Request) -> JSONResponse | StreamingResponse:
-        req = await parse_body(request, GenerateRequest)
+        req = await read_request(request, GenerateRequest)
         facts = need_facts()
         gw._check_model(req.model)
         rid = req.request_id or f"gen-{uuid.uuid4().hex[:24]}"
@@ -543,10 +607,12 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         if gw.readiness.draining:
             raise APIError(503, "the gateway is draining (shutting down); retry shortly", code="draining",
                            retry_after=cfg.serving.retry_after_s)
+        gw.claim_id(job.request_id)
         gw.requests.enter()
         release_when_request_ends(gw.requests.leave)
         backoff, avoid = Backoff(cfg.serving.retry_budget_s), []
         try:
+            gw.admit(job)
             if job.fields.stream:
                 info, events = await until_disconnect(request, gw.submit(job, backoff, avoid))
                 return ClosingStreamingResponse(stream(job, info, events), media_type="text/event-stream",
@@ -555,7 +621,8 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             return await until_disconnect(request, complete(job, backoff, avoid))
         except APIError as exc:
             gw.metrics.errors.labels(exc.code or "error").inc()
-            ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id})
+            ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id,
+                                                                     "tenant_id": job.fields.tenant_id})
             gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}")
             raise
 

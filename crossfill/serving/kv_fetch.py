@@ -31,6 +31,7 @@ from crossfill.serving.metrics import ServingMetrics
 from crossfill.serving.prefill_client import AttemptFailed, call_prefill
 from crossfill.serving.protocol import DecodeJob, FirstToken, PrefillDone, PrefillJob, RouteInfo
 from crossfill.serving.streaming import cancel_and_wait, shielded
+from crossfill.serving.transfer_tickets import TicketGate
 
 log = logging.getLogger("crossfill.decode")
 
@@ -64,9 +65,10 @@ TransferReport = Callable[..., None]
 class KVFetcher:
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any, connector: DecodeConnector,
                  http: httpx.AsyncClient, metrics: ServingMetrics, report: TransferReport,
-                 background: set[asyncio.Task[Any]]) -> None:
+                 background: set[asyncio.Task[Any]], tickets: TicketGate | None = None) -> None:
         self.cfg, self.inst, self.engine, self.connector = cfg, inst, engine, connector
         self.http, self.metrics, self.report, self.background = http, metrics, report, background
+        self.tickets = tickets
         self.instances = {i.name: i for i in cfg.instances()}
 
     def instance(self, name: str, job: DecodeJob) -> Instance:
@@ -75,7 +77,7 @@ class KVFetcher:
         if inst is not None:
             return inst
         e = job.endpoints[name]
-        return Instance(name, e.role, e.datacenter, e.host, e.port, e.kv_port)
+        return Instance(name, e.role, e.datacenter, e.host, e.port, e.kv_port, self.cfg.http_scheme())
 
     def _where(self, name: str, job: DecodeJob) -> str:
         return "local" if self.instance(name, job).datacenter == self.inst.datacenter else "remote"
@@ -92,6 +94,8 @@ class KVFetcher:
 
     async def fetch(self, job: DecodeJob, params: SamplingParams, info: RouteInfo, started: float) -> Prefilled:
         kv = self.cfg.inference_service.kv_cache
+        if self.tickets is not None:
+            self.tickets.check_decode_job(job)  # 403 before any block is reserved or prefill asked
         plan = AttemptPlan(
             candidates=(job.route.prefill, *job.route.fallbacks),
             prefill_instances=frozenset([*(n for n, i in self.instances.items() if i.role == "prefill"),
@@ -141,12 +145,18 @@ class KVFetcher:
                            code="decode_kv_full", retry_after=self.cfg.serving.retry_after_s) from None
         ok = False
         try:
-            self.connector.expect(res, fingerprint=self.engine.fingerprint, prompt=job.prompt_token_ids, tenant=tenant)
+            # The KV for this cache id is accepted only under a ticket that binds it, this instance,
+            # the tenant and the prefill asked now (None when tickets are off).
+            authorize = None if self.tickets is None else self.tickets.manifest_check(
+                cache_id=cache_id, tenant=tenant, prefill=name)
+            self.connector.expect(res, fingerprint=self.engine.fingerprint, prompt=job.prompt_token_ids, tenant=tenant,
+                                  authorize=authorize)
             url, (kv_host, kv_port) = self._urls(name, job)
             pjob = PrefillJob(request_id=job.request_id, cache_id=cache_id, prompt_token_ids=job.prompt_token_ids,
                               sampling=params, kv_host=kv_host, kv_port=kv_port, decode_instance=self.inst.name,
                               tenant_id=job.tenant_id, trace_id=job.trace_id,
-                              decode_cached_tokens=res.cached_tokens, decode_prefix_digest=res.prefix_digest)
+                              decode_cached_tokens=res.cached_tokens, decode_prefix_digest=res.prefix_digest,
+                              ticket=job.ticket)
             t_call = time.perf_counter()
             first, t_kv = await self._prefill_and_transfer(name, url, pjob, timeout_s)
             raw, wire = self.connector.transfer_bytes(cache_id)

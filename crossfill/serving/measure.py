@@ -34,8 +34,9 @@ def make_prompt(cfg: CrossfillConfig, tokens: int) -> str:
     return str(tok.decode(ids))
 
 
-def one(url: str, model: str, prompt: str, policy: str, max_tokens: int) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/completions", timeout=600, json={
+def one(url: str, model: str, prompt: str, policy: str, max_tokens: int, api_key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(url + "/v1/completions", timeout=600, headers=headers, json={
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "prefill_policy": policy})
     if r.status_code != 200:
         raise RuntimeError(f"{policy}: HTTP {r.status_code}: {r.text}")
@@ -43,7 +44,8 @@ def one(url: str, model: str, prompt: str, policy: str, max_tokens: int) -> dict
     return {**body["crossfill"], "prompt_tokens": body["usage"]["prompt_tokens"]}
 
 
-def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int, repeats: int) -> list[str]:
+def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int, repeats: int,
+            api_key: str | None = None) -> list[str]:
     model = cfg.model.api_name
     out = [f"model {cfg.model.name}; kv_cache {cfg.inference_service.kv_cache.compression_mode} "
            f"codec {cfg.inference_service.kv_cache.codec}; median of {repeats} greedy requests, max_tokens 2"]
@@ -51,8 +53,8 @@ def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int,
     if links:
         lk = links[0]
         out.append(f"link {lk.between[0]}<->{lk.between[1]}: {lk.bandwidth_gbps:g} Gbit/s, {lk.latency_ms:g} ms one way")
-    one(url, model, "warm up", "local_only", 2)
-    one(url, model, "warm up", "remote_required", 2)
+    one(url, model, "warm up", "local_only", 2, api_key)
+    one(url, model, "warm up", "remote_required", 2, api_key)
     out.append("prefix cache: every request starts with its own sentence, so none reuses cached KV")
     header = (f"{'prompt':>6} {'tokens':>6} {'route':>6} {'TTFT':>8} {'queue':>7} {'prefill':>8} {'transfer':>8} "
               f"{'1st dec':>7} {'KV raw':>11} {'KV wire':>11} {'ratio':>5}")
@@ -63,7 +65,7 @@ def measure(cfg: CrossfillConfig, url: str, short_tokens: int, long_tokens: int,
         prompt = make_prompt(cfg, n)
         for policy in ("local_only", "remote_required"):
             # A distinct first sentence per request: no run may reuse another's KV via the prefix cache.
-            runs = [one(url, model, f"Request {i} via {policy}. {prompt}", policy, 2) for i in range(repeats)]
+            runs = [one(url, model, f"Request {i} via {policy}. {prompt}", policy, 2, api_key) for i in range(repeats)]
             t = {k: statistics.median(r["timings_ms"].get(k, 0.0) for r in runs)
                  for k in ("first_token", "queue", "prefill", "transfer", "first_decode")}
             raw, wire = runs[-1]["kv_raw_bytes"], runs[-1]["kv_wire_bytes"]
@@ -106,16 +108,20 @@ def _num_layers(cfg: CrossfillConfig) -> int:
     return int(load_model_config(resolve_model(cfg.model.name, pull=False)).num_hidden_layers)
 
 
-def run_measure(config_path: str, url: str | None, short_tokens: int, long_tokens: int, repeats: int) -> int:
+def run_measure(config_path: str, url: str | None, short_tokens: int, long_tokens: int, repeats: int,
+                api_key: str | None = None) -> int:
+    from crossfill.security.keys import client_api_key
+
     cfg = load_config(config_path)
+    api_key = api_key or client_api_key(cfg)  # --api-key, else the config's first dev key (security.auth on)
     if url is not None:
-        print("\n".join(measure(cfg, url, short_tokens, long_tokens, repeats)))
+        print("\n".join(measure(cfg, url, short_tokens, long_tokens, repeats, api_key)))
         return 0
-    from crossfill.serving.up import start_children, stop_children, wait_ready
+    from crossfill.serving.up import probe_tls, start_children, stop_children, wait_ready
 
     children = start_children(cfg, config_path)
     try:
-        why = wait_ready(children, cfg.serving.startup_timeout_s, [False])
+        why = wait_ready(children, cfg.serving.startup_timeout_s, [False], probe_tls(cfg))
         if why is not None:
             print(f"measure-ttft: {why}", file=sys.stderr)
             return 1
@@ -123,7 +129,7 @@ def run_measure(config_path: str, url: str | None, short_tokens: int, long_token
 
         time.sleep(2 * cfg.serving.health_check_interval_ms / 1000 + 0.5)  # let the scheduler see everyone
         gw = cfg.topology.gateway
-        print("\n".join(measure(cfg, f"http://{gw.host}:{gw.port}", short_tokens, long_tokens, repeats)))
+        print("\n".join(measure(cfg, f"http://{gw.host}:{gw.port}", short_tokens, long_tokens, repeats, api_key)))
         return 0
     finally:
         stop_children(children)

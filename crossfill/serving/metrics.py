@@ -50,6 +50,8 @@ class ServingMetrics:
                                      "(everything was sent), by reason", ["reason"], registry=r)
         self.cleanup_failures = Counter("crossfill_cleanup_failures", "Aborts or frees that raised (logged)",
                                         ["what"], registry=r)
+        self.ticket_refusals = Counter("crossfill_ticket_refusals", "Transfer tickets refused (prefill jobs, "
+                                       "decode jobs, KV manifests), by reason", ["reason"], registry=r)
         self.preemptions = Gauge("crossfill_preemptions", "Requests preempted by the engine for KV memory "
                                  "(cumulative, from the engine)", registry=r)
 

@@ -8,11 +8,37 @@ optional ones we do not implement; fields we know but cannot honour (n > 1) are 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+)
 
 PrefillPolicyField = Literal["auto", "local_only", "remote_preferred", "remote_required"]
+# Ids travel in HTTP headers (x-request-id), log lines and KV manifests: printable ASCII without
+# spaces, so no client breaks a response header (a dropped connection, a 502) or forges a log line.
+RequestId = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
+# A tenant as security.auth names one (crossfill.config.DevKeyConfig.tenant).
+TenantId = Annotated[StrictStr, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
+# The rules the validators below enforce (with messages that name them), published in the gateway's
+# OpenAPI document so a generated request follows them too.
+_STOP_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4},
+    {"type": "null"}]}
+_PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]}
 
 
 class _Lenient(BaseModel):
@@ -20,18 +46,18 @@ class _Lenient(BaseModel):
 
 
 class SamplingFields(_Lenient):
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1)
     seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: StrictStr | list[StrictStr] | None = Field(None, json_schema_extra=_STOP_SCHEMA)
     ignore_eos: StrictBool = False
     n: StrictInt = Field(1, ge=1, le=1, description="only n=1 is supported")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     prefill_policy: PrefillPolicyField = "auto"
-    tenant_id: StrictStr | None = None
-    trace_id: StrictStr | None = None
+    tenant_id: TenantId | None = None
+    trace_id: RequestId | None = None
     # interactive (TTFT matters) or batch (may wait for spare remote capacity); None: the
     # tenant's default from inference_service.routing.tenants (interactive).
     request_type: Literal["interactive", "batch"] | None = None
@@ -91,7 +117,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     model: StrictStr
     # A string, or token ids (OpenAI allows both); a batch of prompts is not supported (one request, one route).
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] = Field(json_schema_extra=_PROMPT_SCHEMA)
     max_tokens: StrictInt = Field(16, ge=1)
     echo: StrictBool = False
 
@@ -112,7 +138,7 @@ class CompletionRequest(SamplingFields):
 class GenerateRequest(SamplingFields):
     """The seed's native request (M5.1): request_id, prompt, max_tokens, stream, prefill_policy, tenant_id, trace_id."""
 
-    request_id: StrictStr | None = Field(None, min_length=1, max_length=128)
+    request_id: RequestId | None = None
     prompt: StrictStr = Field(min_length=1)
     max_tokens: StrictInt = Field(16, ge=1)
     model: StrictStr | None = None

@@ -31,7 +31,8 @@ from fastapi import FastAPI, Request
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
-from crossfill.serving.connector import PrefillConnector, build_manifest
+from crossfill.security.audit import open_audit
+from crossfill.serving.connector import PrefillConnector, build_manifest, kv_at_rest
 from crossfill.serving.errors import parse_body
 from crossfill.serving.protocol import (
     Accepted,
@@ -44,6 +45,7 @@ from crossfill.serving.protocol import (
     ndjson,
 )
 from crossfill.serving.streaming import ClosingStreamingResponse, shielded
+from crossfill.serving.transfer_tickets import TicketGate
 from crossfill.serving.worker_common import WorkerBase
 
 log = logging.getLogger("crossfill.prefill")
@@ -55,7 +57,9 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any | None = None) -> None:
         super().__init__(cfg, inst, engine, capacity=cfg.inference_service.prefill_pool.max_queue_depth)
-        self.connector = PrefillConnector(cfg, inst)
+        self.audit = open_audit(cfg, inst.name)  # one writer per file, or the hash chain forks
+        self.connector = PrefillConnector(cfg, inst, kv_at_rest(cfg, registry=self.metrics.registry, audit=self.audit))
+        self.tickets = TicketGate(cfg, inst.name, self.metrics, self.audit)
         # (tokens computed, seconds) of recent prefills: the speed the scheduler's routing and
         # re-tuning assume for this instance. A sum over several jobs, so long prompts (where
         # speed matters) weigh more than short ones (where fixed costs dominate).
@@ -116,7 +120,7 @@ class PrefillWorker(WorkerBase):
             manifest = build_manifest(self.cfg, cache_id=job.cache_id, request_id=job.request_id,
                                       tenant=job.tenant_id or "", fingerprint=self.engine.fingerprint,
                                       token_ids=job.prompt_token_ids, layer_specs=self.engine.layer_specs,
-                                      skip_tokens=plan.export_from)
+                                      skip_tokens=plan.export_from, ticket=job.ticket)
             layers = max(len(self.engine.layer_specs), 1)
             async with self.connector.open(job, manifest) as tx:
                 async for item in self.engine.prefill(engine_id, job.prompt_token_ids, job.sampling,
@@ -181,6 +185,8 @@ def create_prefill_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None 
         job = await parse_body(request, PrefillJob)
         worker.admit("prefill_queue_full",
                      f"prefill instance {inst.name} queue is full (max_queue_depth {worker.capacity})")
+        # Before anything is computed or sent: the scheduler's ticket for exactly this job (403 otherwise).
+        worker.tickets.check_prefill_job(job)
         return ClosingStreamingResponse(worker.run(job), media_type="application/x-ndjson")
 
     return app

@@ -74,9 +74,10 @@ class Endpoint(_Msg):
     port: int = Field(gt=0, lt=65536)
     kv_port: int | None = Field(default=None, gt=0, lt=65536)
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+    def url(self, scheme: str) -> str:
+        """Its base URL; `scheme` comes from the reader's own config (CrossfillConfig.http_scheme),
+        never from the message, so a registered instance cannot opt out of mutual TLS."""
+        return f"{scheme}://{self.host}:{self.port}"
 
 
 class DecodeJob(_Msg):
@@ -89,6 +90,8 @@ class DecodeJob(_Msg):
     deadline_s: float = 600.0  # whole request, from the moment decode receives it
     # The route's instances that the config file does not list (added through the scheduler's admin API).
     endpoints: dict[str, Endpoint] = Field(default_factory=dict)
+    # The scheduler's transfer ticket for this route (crossfill.security.tickets); None when tickets are off.
+    ticket: str | None = Field(default=None, max_length=4096)
 
 
 class PrefillJob(_Msg):
@@ -107,6 +110,8 @@ class PrefillJob(_Msg):
     # check the claim. Prefill sends only the rest, or everything when the claim does not hold.
     decode_cached_tokens: int = Field(0, ge=0)
     decode_prefix_digest: str | None = None
+    # The route's transfer ticket, passed on by decode; prefill checks it before computing anything.
+    ticket: str | None = Field(default=None, max_length=4096)
 
 
 class RouteInfo(BaseModel):

@@ -12,6 +12,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from crossfill.config import ROLES, ConfigError, CrossfillConfig, Instance, load_config
+from crossfill.security.auth import apply_no_auth, log_auth_mode
+from crossfill.security.tls_http import server_ssl_kwargs
 
 log = logging.getLogger("crossfill.serve")
 
@@ -88,21 +90,23 @@ class ExtraInstance:
                               f"({sorted(cfg.topology.datacenters)})")
         if role == "decode" and self.kv_port is None:
             raise ConfigError("a decode instance needs --kv-port (where prefill sends its KV)")
-        return Instance(name, role, self.datacenter, self.host or dc.host, self.port, self.kv_port)  # type: ignore[arg-type]
+        return Instance(name, role, self.datacenter, self.host or dc.host, self.port, self.kv_port,  # type: ignore[arg-type]
+                        cfg.http_scheme())
 
 
 def build_app(cfg: CrossfillConfig, role: str, instance: str | None,
-              extra: ExtraInstance | None = None) -> tuple[FastAPI, str, int]:
+              extra: ExtraInstance | None = None) -> tuple[FastAPI, str, int, str]:
+    """(app, host, port, service name: "gateway", "scheduler" or the instance's name)."""
     if role == "gateway":
         from crossfill.serving.gateway import create_gateway_app
 
         ep = cfg.topology.gateway
-        return create_gateway_app(cfg), ep.host, ep.port
+        return create_gateway_app(cfg), ep.host, ep.port, "gateway"
     if role == "scheduler":
         from crossfill.serving.scheduler import create_scheduler_app
 
         ep = cfg.topology.scheduler
-        return create_scheduler_app(cfg), ep.host, ep.port
+        return create_scheduler_app(cfg), ep.host, ep.port, "scheduler"
     candidates = [i for i in cfg.instances() if i.role == role]
     if extra is not None:
         inst = extra.instance(cfg, role, instance)
@@ -117,10 +121,10 @@ def build_app(cfg: CrossfillConfig, role: str, instance: str | None,
     if role == "prefill":
         from crossfill.serving.prefill_worker import create_prefill_app
 
-        return create_prefill_app(cfg, inst), inst.host, inst.port
+        return create_prefill_app(cfg, inst), inst.host, inst.port, inst.name
     from crossfill.serving.decode_worker import create_decode_app
 
-    return create_decode_app(cfg, inst), inst.host, inst.port
+    return create_decode_app(cfg, inst), inst.host, inst.port, inst.name
 
 
 def serve_role(role: str, config_path: str, instance: str | None, extra: ExtraInstance | None = None) -> int:
@@ -129,13 +133,18 @@ def serve_role(role: str, config_path: str, instance: str | None, extra: ExtraIn
         print(f"unknown role {role!r}: expected one of {', '.join(ROLES)}")
         return 2
     try:
-        cfg = load_config(config_path)
-        app, host, port = build_app(cfg, role, instance, extra)
+        cfg = apply_no_auth(load_config(config_path))  # `--no-auth` (CROSSFILL_NO_AUTH=1) turns API keys off
+        app, host, port, service = build_app(cfg, role, instance, extra)
+        # Mutual TLS for every listener between services; the gateway's public one takes API keys.
+        ssl_kwargs = {} if role == "gateway" else server_ssl_kwargs(cfg, service)
     except ConfigError as exc:
         print(str(exc))
         return 2
     setup_logging(cfg, instance or role)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    if role in ("gateway", "scheduler"):
+        log_auth_mode(cfg, role)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                            **ssl_kwargs)
     server = DrainingServer(config, getattr(app.state, "drain", None), cfg.serving.drain_timeout_s)
     server.run()
     return 0

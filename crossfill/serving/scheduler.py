@@ -46,6 +46,9 @@ from crossfill.net.probe import measure_bandwidth_paired
 from crossfill.policy import Defer, InstanceState, NoRoute, RouteRequest, Snapshot, decide
 from crossfill.policy.kv_index import KVIndex
 from crossfill.policy.routing import Route
+from crossfill.security.audit import open_audit
+from crossfill.security.auth import AdminAuth, Authenticator
+from crossfill.security.tls_http import client_kwargs
 from crossfill.serving.batch_queue import BatchQueue
 from crossfill.serving.errors import APIError, install_error_handlers, parse_body
 from crossfill.serving.health import Readiness, add_health_routes
@@ -53,6 +56,7 @@ from crossfill.serving.link_watch import LinkWatch
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
 from crossfill.serving.protocol import Endpoint, RouteQuery, _Msg
 from crossfill.serving.retune import Retuner
+from crossfill.serving.transfer_tickets import TicketGate
 
 log = logging.getLogger("crossfill.scheduler")
 
@@ -270,7 +274,8 @@ class ClusterState:
         if spec.role == "decode" and spec.kv_port is None:
             raise APIError(400, "a decode instance needs kv_port (where prefill sends its KV)", param="kv_port",
                            code="missing_field")
-        inst = Instance(spec.name, spec.role, spec.datacenter, spec.host, spec.port, spec.kv_port)
+        inst = Instance(spec.name, spec.role, spec.datacenter, spec.host, spec.port, spec.kv_port,
+                        self.cfg.http_scheme())
         t = self.workers[spec.name] = _Tracked(inst, inst.url, dynamic=True)
         log.warning("instance %s (%s in %s at %s) added by the admin API; routing to it once it is ready",
                     spec.name, spec.role, spec.datacenter, inst.url)
@@ -345,15 +350,17 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     state = ClusterState(cfg)
     readiness = Readiness("scheduler", "scheduler")
     metrics = ServingMetrics()
+    tickets = TicketGate(cfg, "scheduler", metrics)  # signs only: reads the keys now, so missing ones stop start-up
     routing = cfg.inference_service.routing
     batch_queue = BatchQueue(routing.batch_queue_max, routing.batch_max_wait_s)
     interval = cfg.serving.health_check_interval_ms / 1000
+    tls = client_kwargs(cfg, "scheduler")  # mutual TLS to every worker; {} when off
 
     async def poll_forever() -> None:
         # Generous: a busy worker (2 cores shared by everything) is slow, not dead.
         timeout = httpx.Timeout(max(interval * 4, 2.0))
         last_retune = time.monotonic()
-        async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=timeout, trust_env=False, **tls) as client:
             while True:
                 await state.probe_all(client)
                 snap = state.snapshot()
@@ -376,7 +383,7 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     async def probe_links_forever() -> None:
         every = cfg.inference_service.network.bandwidth_probe_interval_s
         # The payload of a slow link takes long: its own timeout, well beyond any link we serve.
-        async with httpx.AsyncClient(timeout=httpx.Timeout(max(every * 10, 30.0)), trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(max(every * 10, 30.0)), trust_env=False, **tls) as client:
             while True:
                 for dc in state.links:
                     await state.probe_bandwidth(client, dc)
@@ -398,6 +405,8 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
 
     app = FastAPI(title="crossfill scheduler", lifespan=lifespan)
     install_error_handlers(app)
+    # /v1/admin/* takes an admin API key when security.auth is on; POST/DELETE are audited.
+    app.add_middleware(AdminAuth, auth=Authenticator.from_config(cfg, open_audit(cfg, "scheduler")))
     add_health_routes(app, readiness)
     add_metrics_route(app, metrics, cfg.inference_service.observability.metrics_enabled)
 
@@ -439,6 +448,9 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         endpoints = state.endpoints(r)
         if endpoints:
             out["endpoints"] = {n: e.model_dump() for n, e in endpoints.items()}
+        ticket = tickets.sign(q.request_id, q.tenant_id, r)
+        if ticket is not None:
+            out["ticket"] = ticket  # the permission for this route's KV to move (security.tickets)
         return out
 
     @app.post("/v1/report/transfer")

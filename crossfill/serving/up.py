@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -85,7 +86,15 @@ def start_children(cfg: CrossfillConfig, config_path: str) -> list[Child]:
     # Secrets every process reads must exist before any starts (two creating them would disagree).
     from crossfill.security.paths import ensure_symmetric_keys, security_dir
 
-    ensure_symmetric_keys(security_dir(cfg))
+    if cfg.security.tls.enabled:
+        from crossfill.security.pki import init_security_dir
+
+        written = init_security_dir(cfg)  # the CA and a certificate per service, where missing
+        print(f"crossfill up: mutual TLS between services, certificates in {security_dir(cfg)}"
+              f"{f' ({len(written)} files written)' if written else ''}; tools use operator.pem/.key",
+              file=sys.stderr)
+    else:
+        ensure_symmetric_keys(security_dir(cfg))
     children: list[Child] = []
 
     def add(name: str, args: list[str], ready_url: str | None) -> None:
@@ -126,11 +135,21 @@ def stop_children(children: list[Child], grace_s: float = _GRACE_S) -> None:
             c.proc.wait()
 
 
-def wait_ready(children: list[Child], timeout_s: float, stopping: list[bool]) -> str | None:
-    """None when every child is ready; else why not (a child exited, timeout, or a signal)."""
+def probe_tls(cfg: CrossfillConfig) -> dict[str, Any]:
+    """httpx arguments for readiness probes: the operator certificate under mutual TLS, else {}."""
+    from crossfill.security.tls_http import operator_kwargs
+
+    return operator_kwargs(cfg)
+
+
+def wait_ready(children: list[Child], timeout_s: float, stopping: list[bool],
+               tls: dict[str, Any] | None = None) -> str | None:
+    """None when every child is ready; else why not (a child exited, timeout, or a signal).
+
+    `tls`: httpx arguments for the probes (`probe_tls(cfg)`) when services run mutual TLS."""
     pending = {c.name: c for c in children if c.ready_url}
     deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
+    with httpx.Client(timeout=2.0, trust_env=False, **(tls or {})) as client:
         while pending:
             if stopping[0]:
                 return "interrupted"
@@ -162,12 +181,12 @@ class Supervisor:
     """Restarts children that die, with backoff; `tick()` is one pass of the watch loop."""
 
     def __init__(self, children: list[Child], backoff_max_s: float, clock: Callable[[], float] = time.monotonic,
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None, tls: dict[str, Any] | None = None) -> None:
         self.children = children
         self.backoff_max_s = backoff_max_s
         self.clock = clock
         self.say = say or (lambda msg: print(f"crossfill up: {msg}", file=sys.stderr, flush=True))
-        self.http = httpx.Client(timeout=1.0, trust_env=False)
+        self.http = httpx.Client(timeout=1.0, trust_env=False, **(tls or {}))
 
     def tick(self) -> None:
         now = self.clock()
@@ -208,8 +227,11 @@ class Supervisor:
 
 
 def run_up(config_path: str) -> int:
+    from crossfill.security.auth import apply_no_auth, startup_banner
+
     try:
-        cfg = load_config(config_path)
+        cfg = apply_no_auth(load_config(config_path))  # `--no-auth`: the children see CROSSFILL_NO_AUTH too
+        auth_lines = startup_banner(cfg)  # refuses a config that turns keys on and defines none
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
         return 2
@@ -227,14 +249,17 @@ def run_up(config_path: str) -> int:
         return 1
     grace = cfg.serving.drain_timeout_s + _GRACE_S
     try:
-        why = wait_ready(children, cfg.serving.startup_timeout_s, stopping)
+        tls = probe_tls(cfg)
+        why = wait_ready(children, cfg.serving.startup_timeout_s, stopping, tls)
         if why is not None:
             print(f"crossfill up: {why}; stopping everything", file=sys.stderr)
             return 0 if why == "interrupted" else 1
         gw = cfg.topology.gateway
         print(f"crossfill is up: OpenAI-compatible API at http://{gw.host}:{gw.port}/v1 "
               f"(model {cfg.model.api_name}); native POST /v1/generate; Ctrl-C stops everything.", flush=True)
-        sup = Supervisor(children, cfg.serving.restart_backoff_max_s)
+        for line in auth_lines:
+            print(f"crossfill up: {line}", flush=True)
+        sup = Supervisor(children, cfg.serving.restart_backoff_max_s, tls=tls)
         try:
             while not stopping[0]:
                 sup.tick()

@@ -49,8 +49,9 @@ def test_a_real_link_has_no_crossings_and_every_address_is_direct() -> None:
     for decode in ("near-decode-0", "near-decode-1"):
         assert cfg.kv_address(decode, "far") == _direct_kv(cfg, decode)
         assert cfg.kv_address(decode, "far")[0] == NEAR
-    assert cfg.http_url("far-prefill-0") == f"http://{FAR}:8300"
-    assert cfg.http_url("near-decode-1") == f"http://{NEAR}:8201"
+    # Between datacenters over a real network: mutual TLS (security.tls, on by default).
+    assert cfg.http_url("far-prefill-0") == f"https://{FAR}:8300"
+    assert cfg.http_url("near-decode-1") == f"https://{NEAR}:8201"
 
 
 def test_only_the_emulated_link_gets_emulators_in_a_mixed_topology() -> None:
@@ -62,5 +63,5 @@ def test_only_the_emulated_link_gets_emulators_in_a_mixed_topology() -> None:
     assert cfg.kv_address("near-decode-0", "far") == _direct_kv(cfg, "near-decode-0")
     lab_kv = cfg.kv_address("near-decode-0", "lab")
     assert lab_kv != _direct_kv(cfg, "near-decode-0") and 9500 <= lab_kv[1] < 9600
-    assert cfg.http_url("far-prefill-0") == f"http://{FAR}:8300"
-    assert cfg.http_url("lab-prefill-0") != f"http://{LAB}:8400"
+    assert cfg.http_url("far-prefill-0") == f"https://{FAR}:8300"
+    assert cfg.http_url("lab-prefill-0") != f"https://{LAB}:8400"

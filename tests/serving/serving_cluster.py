@@ -23,7 +23,9 @@ import pytest
 import yaml
 
 from crossfill.config import CrossfillConfig, load_config
-from crossfill.serving.up import Child, start_children, stop_children, wait_ready
+from crossfill.security.keys import client_api_key
+from crossfill.security.paths import ensure_symmetric_keys
+from crossfill.serving.up import Child, probe_tls, start_children, stop_children, wait_ready
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -76,11 +78,22 @@ SHORT_KV_TIMEOUT_MS = 1500
 HEALTH_CHECK_FAILURES = 5
 
 
+HARNESS_ADMIN_KEY = "harness-admin-key-0123456789"  # added by launch_cluster when auth is on and no admin key is
+
+
 def quiet_timeouts(doc: dict) -> dict:
     """`doc` (from cluster_config) with the timeouts that no accident trips."""
     doc["inference_service"]["kv_cache"]["timeout_ms"] = QUIET_KV_TIMEOUT_MS
     doc["serving"]["health_check_failures"] = HEALTH_CHECK_FAILURES
     return doc
+
+
+def _security_dir() -> str:
+    """A fresh secrets folder with the ticket and KV keys already in it, as `crossfill up` leaves it:
+    tests that build services in-process (without `up`) need them too."""
+    d = tempfile.mkdtemp(prefix="crossfill-security-")
+    ensure_symmetric_keys(Path(d))
+    return d
 
 
 def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
@@ -110,7 +123,7 @@ def cluster_config(model_dir: Path, base: int, **overrides: object) -> dict:
         # The tests of other concerns call every service directly with plain httpx and no API key, so
         # their clusters turn off the client-facing parts of security (tests/security runs the
         # defaults: keys, mutual TLS); tickets and KV encryption at rest stay on everywhere.
-        "security": {"dir": tempfile.mkdtemp(prefix="crossfill-security-"), "audit_dir": None,
+        "security": {"dir": _security_dir(), "audit_dir": None,
                      "auth": {"enabled": False}, "tls": {"enabled": False}},
         "topology": {
             "local_datacenter": "here",
@@ -138,7 +151,18 @@ class Cluster:
         return f"http://{gw.host}:{gw.port}"
 
     def worker_url(self, name: str) -> str:
-        return self.cfg.instance(name).url
+        return self.cfg.instance(name).url  # https when the cluster runs mutual TLS
+
+    @property
+    def tls(self) -> dict:
+        """httpx arguments for calling workers and the scheduler: the operator certificate under mutual TLS."""
+        return probe_tls(self.cfg)
+
+    @property
+    def admin_headers(self) -> dict:
+        """The scheduler's /v1/admin/* take an admin API key when security.auth is on (the first admin dev key)."""
+        key = client_api_key(self.cfg, admin=True)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def emulator_control(self, target: str, kind: str) -> str:
         for c in self.cfg.crossings():
@@ -147,7 +171,7 @@ class Cluster:
         raise KeyError((target, kind))
 
     def kv(self, name: str) -> dict:
-        return httpx.get(self.worker_url(name) + "/v1/admin/kv", timeout=5).json()
+        return httpx.get(self.worker_url(name) + "/v1/admin/kv", timeout=5, **self.tls).json()
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -160,16 +184,16 @@ class Cluster:
                 "--instance", name]
         new = Child(name, subprocess.Popen(args, start_new_session=True), inst.url + "/readyz")
         self.children[self.children.index(old)] = new
-        assert wait_ready([new], 300, [False]) is None
+        assert wait_ready([new], 300, [False], self.tls) is None
 
     def wait_scheduler(self, predicate, timeout: float = 120.0) -> dict:
         """Poll the scheduler's cluster view until `predicate(view)` holds (the timeout is a safety net)."""
-        sched = self.cfg.topology.scheduler
         deadline = time.monotonic() + timeout
         view: dict = {}
         while time.monotonic() < deadline:
             try:
-                view = httpx.get(f"http://{sched.host}:{sched.port}/v1/admin/cluster", timeout=5).json()
+                view = httpx.get(self.cfg.scheduler_url() + "/v1/admin/cluster", timeout=5, headers=self.admin_headers,
+                                 **self.tls).json()
             except httpx.TimeoutException:  # a busy scheduler answers late: ask again
                 continue
             if predicate(view):
@@ -196,12 +220,16 @@ def launch_cluster(model: str, tmp_dir: Path, served_name: str = "tiny", kv_memo
         doc["resource_classes"]["high_bandwidth"]["kv_memory_mb"] = decode_kv_memory_mb
     if edit is not None:
         edit(doc)  # anything else about the cluster, e.g. its topology
+    auth = doc["security"]["auth"]
+    if auth.get("enabled", True) and not any(k.get("admin") for k in auth.get("dev_keys", [])):
+        # The harness watches the scheduler's /v1/admin/cluster: with API keys on it needs an admin key.
+        auth["dev_keys"] = [*auth.get("dev_keys", []), {"key": HARNESS_ADMIN_KEY, "tenant": "harness", "admin": True}]
     path = tmp_dir / "cluster.yaml"
     path.write_text(yaml.safe_dump(doc))
     cfg = load_config(path)
     children = start_children(cfg, str(path))
     try:
-        why = wait_ready(children, 300, [False])
+        why = wait_ready(children, 300, [False], probe_tls(cfg))
         assert why is None, why
         c = Cluster(cfg, path, children)
         # Remote instances are reached through the emulator: wait until the scheduler saw all healthy.

@@ -73,9 +73,11 @@ def set_link(control_url: str, **settings: object) -> None:
     assert r.status_code == 200, r.text
 
 
-def counter(url: str, name: str) -> float:
-    """The value of a Prometheus counter without labels on `url`/metrics (0 before its first increment)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
+def counter(url: str, name: str, **client: object) -> float:
+    """The value of a Prometheus counter without labels on `url`/metrics (0 before its first increment).
+
+    `client`: httpx arguments, e.g. `cluster.tls` for a worker of a cluster under mutual TLS."""
+    text = httpx.get(url + "/metrics", timeout=5, **client).text  # type: ignore[arg-type]
     m = re.search(rf"^{name}_total (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
 
@@ -94,3 +96,14 @@ def request_left_open(url: str, body: dict, path: str = "/v1/generate") -> Itera
     with socket.create_connection((where.hostname, where.port), timeout=30) as s:
         s.sendall(head + data)
         yield s
+
+
+def transfer_ticket(cfg, request_id: str, *, decode: str = "here-decode-0", prefills: tuple[str, ...] = ("far-prefill-0",),
+                    tenant: str = "", ttl_s: float | None = None) -> str:
+    """A transfer ticket signed with the cluster's own keys, as its scheduler signs one: for tests
+    that post a PrefillJob or a DecodeJob to a worker themselves (crossfill.security.tickets)."""
+    from crossfill.security.paths import ticket_keys_path
+    from crossfill.security.tickets import TicketKeys, TicketSigner
+
+    signer = TicketSigner(TicketKeys(ticket_keys_path(cfg)), cfg.security.tickets.ttl_s if ttl_s is None else ttl_s)
+    return signer.sign(request_id=request_id, tenant=tenant, decode=decode, prefills=prefills)

@@ -74,7 +74,7 @@ def test_second_chat_turn_sends_only_the_new_blocks(tiny_llama_dir: Path, tmp_pa
 def test_unverifiable_prefix_claim_sends_everything(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """A claim past the prompt, or one whose digest does not match, costs bytes but never output."""
     with launch_cluster(str(tiny_llama_dir), tmp_path, kv_cache={"codec": "none"}) as c:
-        from serving_helpers import LONG
+        from serving_helpers import LONG, transfer_ticket
         from test_correctness import served_tokens
 
         want, honest = served_tokens(c.url, LONG, "remote_required", False, 8)
@@ -89,7 +89,8 @@ def test_unverifiable_prefix_claim_sends_everything(tiny_llama_dir: Path, tmp_pa
             job = {"request_id": "bad-claim", "cache_id": f"bad-claim.{why}", "prompt_token_ids": ids,
                    "sampling": {"temperature": 0, "max_tokens": 4}, "kv_host": "127.0.0.1",
                    "kv_port": c.cfg.instance("here-decode-0").kv_port, "decode_instance": "here-decode-0",
-                   "decode_cached_tokens": claim, "decode_prefix_digest": digest}
+                   "decode_cached_tokens": claim, "decode_prefix_digest": digest,
+                   "ticket": transfer_ticket(c.cfg, "bad-claim")}
             with httpx.stream("POST", c.worker_url("far-prefill-0") + "/v1/prefill", json=job, timeout=30) as r:
                 assert r.status_code == 200
                 lines = list(r.iter_lines())  # to the stream's end: `done` or `error`

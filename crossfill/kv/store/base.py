@@ -18,6 +18,7 @@ I/O (disk, or Mooncake's C++ client), so asyncio callers wrap calls with `asynci
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import re
@@ -25,7 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 DEFAULT_TENANT = "default"
 
@@ -77,6 +78,9 @@ class StoreStats:
     deletes: int
     evictions: int
     expirations: int
+    # Bytes of removed objects overwritten with zeros before release (memory buffers and disk
+    # files), the observable of secure deletion (M5.9); 0 for stores that cannot (Mooncake).
+    wiped_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -221,6 +225,21 @@ class WatchRegistry:
         """How many watches are registered (tests use it to prove none leaks)."""
         with self._lock:
             return sum(len(v) for v in self._listeners.values())
+
+
+def wipe(buf: Any) -> int:
+    """Overwrite a mutable buffer with zeros in place (bytearray, writable memoryview, numpy array,
+    torch tensor); returns the bytes wiped. Release it afterwards: its old contents are gone from
+    this memory, not from copies made earlier (the caller's own, a page swapped out)."""
+    if hasattr(buf, "zero_"):  # torch.Tensor
+        buf.zero_()
+        return int(buf.numel() * buf.element_size())
+    view = memoryview(buf).cast("B")
+    n = len(view)
+    if n:
+        ctypes.memset((ctypes.c_char * n).from_buffer(view), 0, n)
+    view.release()
+    return n
 
 
 def check_tenant(tenant: str) -> str:

@@ -12,8 +12,12 @@ Policy, in one place:
 - Expired objects are unreachable at once (checked on every access) and removed by `purge_expired`,
   which every put runs and an optional background sweeper runs periodically, so an expired object's
   disk file does not outlive its TTL by more than `sweep_interval_s`.
-- Deleted, evicted and expired disk files are overwritten with zeros before unlinking (M5.9
-  "secure deletion of expired caches"), unless `secure_delete=False`.
+- Secure deletion (M5.9 "secure deletion of expired caches"), unless `secure_delete=False`: the
+  memory tier holds each object in a buffer of its own (a bytearray copied on put; `get` returns
+  a copy), which is zeroed when the object is deleted, evicted, expired, demoted to disk or the
+  store closes; disk files are overwritten with zeros, synced, then unlinked. `stats().wiped_bytes`
+  counts both. What a store cannot wipe: copies callers made, and blocks an SSD or a copy-on-write
+  file system remaps, which is why store-and-pull also seals KV at rest (crossfill.security.kv_crypto).
 - Expiry times are wall-clock (`time.time`) so that they stay meaningful across a restart.
 - Change notification (`watch`, see `WatchableKVStore` in base.py): every put calls the matching
   listeners after the store lock is released, so a reader woken by it finds the value and a slow
@@ -55,6 +59,7 @@ from crossfill.kv.store.base import (
     check_tenant,
     check_ttl,
     guarded,
+    wipe,
 )
 
 MAGIC = b"CFKVSTORE1\n"
@@ -70,7 +75,7 @@ class _Entry:
     size: int
     expires_at: float
     seq: int  # identifies this version of the key in the expiry heap
-    data: bytes | None = None  # set when in memory
+    data: bytearray | None = None  # set when in memory; a buffer of the store's own, wiped on removal
     path: Path | None = None  # set when on disk
 
 
@@ -84,7 +89,7 @@ class EmbeddedStore:
         disk_capacity_bytes: bytes of payload kept on disk (ignored without `disk_dir`).
         default_ttl_s: TTL of a put that gives none.
         sweep_interval_s: run `purge_expired` in a background thread this often; None for no thread.
-        secure_delete: overwrite disk files with zeros before removing them.
+        secure_delete: zero memory buffers and overwrite disk files before releasing or removing them.
         clock: wall-clock source in seconds (tests pass a fake one to expire without sleeping).
     """
 
@@ -120,7 +125,9 @@ class EmbeddedStore:
         self._seq = itertools.count()
         self._mem_used = 0
         self._disk_used = 0
-        self._counts = dict.fromkeys(("puts", "hits", "misses", "deletes", "evictions", "expirations"), 0)
+        self._counts = dict.fromkeys(
+            ("puts", "hits", "misses", "deletes", "evictions", "expirations", "wiped_bytes"), 0
+        )
         self._closed = False
         self._watches = WatchRegistry()
         if self._disk_dir is not None:
@@ -133,8 +140,7 @@ class EmbeddedStore:
     def put(self, key: str, data: bytes, ttl_s: float | None = None, tenant: str = DEFAULT_TENANT) -> None:
         check_names(key, tenant)
         check_ttl(ttl_s)
-        payload = bytes(data)  # no copy for bytes; freezes bytearray/memoryview input
-        size = len(payload)
+        size = memoryview(data).nbytes
         largest = max(self._mem_cap, self._disk_cap)
         if size > largest:
             raise ObjectTooLargeError(
@@ -150,11 +156,11 @@ class EmbeddedStore:
             entry = _Entry(tenant, key, size, now + (ttl_s or self._default_ttl), next(self._seq))
             if size <= self._mem_cap:
                 self._make_room_in_memory(size)
-                entry.data = payload
+                entry.data = bytearray(data)  # our own copy: the caller's buffer is not ours to wipe
                 self._mem_used += size
             else:
                 self._make_room_on_disk(size)
-                self._write_disk(entry, payload)
+                self._write_disk(entry, data)
             self._index[(tenant, key)] = entry
             heapq.heappush(self._expiry, (entry.expires_at, entry.seq, tenant, key))
             self._counts["puts"] += 1
@@ -168,7 +174,7 @@ class EmbeddedStore:
                 return None
             self._index.move_to_end((tenant, key))
             if entry.data is not None:
-                data = entry.data
+                data = bytes(entry.data)  # a copy: the stored buffer is wiped when the object goes
             else:
                 data = self._read_disk(entry)
             self._counts["hits"] += 1
@@ -215,7 +221,7 @@ class EmbeddedStore:
             self._closed = True
             self._watches.clear()
             for entry in self._index.values():
-                entry.data = None
+                self._release_memory(entry)
             self._index.clear()
             self._mem_used = 0
 
@@ -261,7 +267,7 @@ class EmbeddedStore:
             return
         if entry.data is not None:
             self._mem_used -= entry.size
-            entry.data = None
+            self._release_memory(entry)
         if entry.path is not None:
             self._disk_used -= entry.size
             self._remove_file(entry.path)
@@ -275,11 +281,16 @@ class EmbeddedStore:
             if victim.size <= self._disk_cap:
                 self._make_room_on_disk(victim.size)
                 self._write_disk(victim, payload)
-                victim.data = None
+                self._release_memory(victim)
                 self._mem_used -= victim.size
             else:
                 self._drop_locked((victim.tenant, victim.key))
                 self._counts["evictions"] += 1
+
+    def _release_memory(self, entry: _Entry) -> None:
+        if entry.data is not None and self._secure_delete:
+            self._counts["wiped_bytes"] += wipe(entry.data)
+        entry.data = None
 
     def _make_room_on_disk(self, size: int) -> None:
         while self._disk_used + size > self._disk_cap:
@@ -292,7 +303,7 @@ class EmbeddedStore:
         digest = hashlib.sha256(f"{tenant}\0{key}".encode()).hexdigest()
         return self._disk_dir / f"{digest}{_SUFFIX}"
 
-    def _write_disk(self, entry: _Entry, payload: bytes) -> None:
+    def _write_disk(self, entry: _Entry, payload: bytes | bytearray | memoryview) -> None:
         path = self._file_for(entry.tenant, entry.key)
         header = json.dumps(
             {"tenant": entry.tenant, "key": entry.key, "size": entry.size, "expires_at": entry.expires_at}
@@ -330,6 +341,11 @@ class EmbeddedStore:
                     while remaining > 0:
                         n = f.write(_ZERO_CHUNK[: min(remaining, len(_ZERO_CHUNK))])
                         remaining -= n
+                        self._counts["wiped_bytes"] += n
+                    # Without the sync the zeros may only reach the page cache, which unlink then
+                    # discards: the old blocks on disk would keep the object.
+                    f.flush()
+                    os.fsync(f.fileno())
             path.unlink()
         except FileNotFoundError:
             pass

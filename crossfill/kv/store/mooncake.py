@@ -15,6 +15,11 @@ What crossfill adds on top, and why:
 - Replacement: Mooncake's `put` of an existing key keeps the old value, so puts use `upsert`.
 - Errors: Mooncake returns negative codes; they become `StoreError`s naming the code and the fix.
 
+At rest: the store transport seals every object before it gets here (crossfill.security.kv_crypto),
+so segments only ever hold ciphertext. `remove` frees an object's space but Mooncake does not zero
+it, and no client can reach another's segment memory to do so: deletion here means unreachable
+plus ciphertext, which the master key rotation finally makes unreadable.
+
 Keep in mind: objects live in the contributing clients' memory, so an object disappears when the
 client process that holds its segment exits (run a long-lived store service for durability), and
 `stats()` reflects what this client wrote and read, not the whole cluster. Mooncake Store has no
