@@ -94,9 +94,30 @@ def verify(path: str | Path) -> Verdict:
     return Verdict(True, n, prev)
 
 
-def open_audit(cfg: Any, service: str) -> AuditLog | None:
-    """The audit log of `service` under `security.audit_dir` (None when the config turns it off)."""
+def open_audit(cfg: Any, service: str, *, starting: bool = True) -> AuditLog | None:
+    """The audit log of `service` under `security.audit_dir` (None when the config turns it off).
+
+    A service opens it once per process (two writers fork the chain) and, with `starting`, records
+    `config_loaded`: the config's digest and the security switches it runs with, so turning auth,
+    TLS, tickets or encryption off, or changing limits, is itself on the record.
+    """
     d = cfg.security.audit_dir
     if d is None:
         return None
-    return AuditLog(Path(d).expanduser() / f"{service}.jsonl", service)
+    log = AuditLog(Path(d).expanduser() / f"{service}.jsonl", service)
+    if starting:
+        log.record("config_loaded", **config_fingerprint(cfg))
+    return log
+
+
+def config_fingerprint(cfg: Any) -> dict[str, Any]:
+    """The config's SHA-256 (over its canonical JSON) and the security settings in force."""
+    dumped = json.dumps(cfg.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    sec = cfg.security
+    limits = sec.limits.model_dump(mode="json")
+    return {
+        "config_sha256": hashlib.sha256(dumped.encode()).hexdigest(),
+        "auth": sec.auth.enabled, "tls": sec.tls.enabled, "tickets": sec.tickets.enabled,
+        "kv_encryption": sec.kv_encryption.enabled,
+        "limits_sha256": hashlib.sha256(json.dumps(limits, sort_keys=True).encode()).hexdigest(),
+    }

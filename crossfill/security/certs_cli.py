@@ -1,4 +1,4 @@
-"""`crossfill certs init | issue | show`: the CA and service certificates of `security.dir`."""
+"""`crossfill certs init | issue | show | ticket-key`: the CA, service certificates and ticket keys of `security.dir`."""
 
 from __future__ import annotations
 
@@ -82,6 +82,64 @@ def show_cmd(directory: str = typer.Argument(..., help="the security folder (sec
             kind = "CA" if info.is_ca else "cert"
             sans = ", ".join(info.sans) or "-"
             typer.echo(f"{f.name:<24} {kind:<4} {info.subject}  SANs: {sans}  expires {info.not_after:%Y-%m-%d} ({state})")
+
+
+ticket_app = typer.Typer(help="The transfer tickets' signing keys (security.dir/tickets.json): list and rotate.",
+                         no_args_is_help=True)
+
+
+@ticket_app.command("list")
+def ticket_list_cmd(directory: str = typer.Argument(..., help="the security folder (security.dir)")) -> None:
+    """The key ids in tickets.json; the one that signs is marked current (keys are never shown)."""
+    from crossfill.security.tickets import list_keys
+
+    try:
+        current, kids = list_keys(Path(directory).expanduser())
+    except ConfigError as exc:
+        raise _fail(exc) from None
+    for kid in kids:
+        typer.echo(f"{kid}{'  current' if kid == current else ''}")
+
+
+@ticket_app.command("add")
+def ticket_add_cmd(directory: str = typer.Argument(..., help="the security folder (security.dir)"),
+                   current: bool = typer.Option(True, "--current/--no-current",
+                                                help="sign with it at once (one host); --no-current on several "
+                                                "hosts: copy the file everywhere, then `use` it")) -> None:
+    """Rotation, step 1: a new random signing key; prints its id. Running services pick it up within a second."""
+    from crossfill.security.tickets import add_key
+
+    try:
+        typer.echo(add_key(Path(directory).expanduser(), current=current))
+    except ConfigError as exc:
+        raise _fail(exc) from None
+
+
+@ticket_app.command("use")
+def ticket_use_cmd(directory: str = typer.Argument(..., help="the security folder (security.dir)"),
+                   kid: str = typer.Argument(..., help="the key id to sign with from now on")) -> None:
+    """Rotation, step 2 on several hosts: sign with KID from now on."""
+    from crossfill.security.tickets import set_current
+
+    try:
+        set_current(Path(directory).expanduser(), kid)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+
+
+@ticket_app.command("drop")
+def ticket_drop_cmd(directory: str = typer.Argument(..., help="the security folder (security.dir)"),
+                    kid: str = typer.Argument(..., help="the old key id (wait security.tickets.ttl_s after the switch)")) -> None:
+    """Rotation, last step: tickets signed with KID stop verifying (refused as unknown_key)."""
+    from crossfill.security.tickets import drop_key
+
+    try:
+        drop_key(Path(directory).expanduser(), kid)
+    except ConfigError as exc:
+        raise _fail(exc) from None
+
+
+certs_app.add_typer(ticket_app, name="ticket-key")
 
 
 def register(app: typer.Typer) -> None:

@@ -33,7 +33,7 @@ def _target(keys_file: str | None, config: str | None) -> tuple[Path, AuditLog |
                 raise ConfigError(f"{config}: security.auth.keys_file is not set; set it or pass --keys-file")
             from crossfill.security.audit import open_audit
 
-            return Path(path).expanduser(), open_audit(cfg, "keys")
+            return Path(path).expanduser(), open_audit(cfg, "keys", starting=False)
         if keys_file is None:
             raise ConfigError("name the keys file: --keys-file F, or --config C (its security.auth.keys_file)")
         return Path(keys_file).expanduser(), None

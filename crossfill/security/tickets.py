@@ -178,6 +178,12 @@ def _write(path: Path, current: str, keys: dict[str, bytes]) -> None:
     write_private(path, json.dumps({"current": current, "keys": {k: v.hex() for k, v in keys.items()}}).encode())
 
 
+def list_keys(directory: Path) -> tuple[str, list[str]]:
+    """(current key id, every key id) of `directory`/tickets.json."""
+    _, current, keys = _read(directory)
+    return current, sorted(keys)
+
+
 def add_key(directory: Path, *, current: bool = True) -> str:
     """Rotation, step 1: a new random key in `directory`/tickets.json; returns its id.
 

@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from crossfill.config import ROLES, ConfigError, load_config
+from crossfill.config import ROLES, ConfigError, CrossfillConfig, load_config
 
 config_app = typer.Typer(help="Inspect and validate configuration files.", no_args_is_help=True)
 
@@ -27,6 +27,25 @@ def config_check(path: str = typer.Argument(..., help="YAML configuration file")
     for c in cfg.crossings():
         typer.echo(f"  link emulator {c.listen_host}:{c.listen_port} -> {c.target} {c.kind} "
                    f"{c.target_host}:{c.target_port} (control :{c.control_port})")
+    typer.echo(f"  security: {security_summary(cfg)}")
+
+
+def security_summary(cfg: CrossfillConfig) -> str:
+    """One line: which protections this config runs with (docs/SECURITY.md), so a switched-off one shows."""
+    sec = cfg.security
+    auth = sec.auth
+    if auth.enabled:
+        keys = [f"keys_file {auth.keys_file}"] if auth.keys_file else []
+        keys += [f"{len(auth.dev_keys)} dev key(s)"] if auth.dev_keys else []
+        auth_text = f"API keys ({', '.join(keys) or 'none yet: the gateway will refuse to start'})"
+    else:
+        auth_text = "API keys OFF"
+    parts = [auth_text,
+             f"mutual TLS from {sec.dir}" if sec.tls.enabled else "mutual TLS OFF",
+             f"transfer tickets (ttl {sec.tickets.ttl_s:g} s)" if sec.tickets.enabled else "transfer tickets OFF",
+             "KV at rest AES-GCM" if sec.kv_encryption.enabled else "KV at rest in the clear",
+             f"audit in {sec.audit_dir}" if sec.audit_dir else "audit OFF"]
+    return "; ".join(parts)
 
 
 pki_app = typer.Typer(help="Certificates for mutual TLS on the KV data plane (kv_cache.tls).", no_args_is_help=True)

@@ -108,6 +108,8 @@ def test_config_check_cli(tmp_path: Path) -> None:
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "dc-remote-prefill-0" in ok.stdout and "link emulator" in ok.stdout
+    assert ("security: API keys (1 dev key(s)); mutual TLS from .crossfill/security; transfer tickets "
+            "(ttl 120 s); KV at rest AES-GCM; audit in .crossfill/audit") in ok.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("inference_service:\n  kv_cache: {timeout_ms: soon}\ntopology: {}\n")
     out = subprocess.run([sys.executable, "-m", "crossfill.cli", "config", "check", str(bad)],
@@ -176,12 +178,17 @@ def test_worker_with_an_unreachable_store_exits_naming_the_key(tmp_path: Path) -
     """A store that is not reachable at start stops the worker before it serves (and so `crossfill up`)."""
     import socket
 
+    from crossfill.security.paths import ensure_symmetric_keys
+
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     doc = seed_doc()
     doc["inference_service"]["kv_cache"].update({"transport": "store", "store": "mooncake",
                                                  "mooncake_master": f"127.0.0.1:{dead}"})
+    # The ticket and KV keys exist and TLS is off, so the store is the one thing missing.
+    ensure_symmetric_keys(tmp_path / "sec")
+    doc["security"] = {"dir": str(tmp_path / "sec"), "audit_dir": None, "tls": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(doc))
     name = next(i.name for i in parse_config(doc).instances() if i.role == "decode")

@@ -73,3 +73,27 @@ def test_a_log_whose_last_line_is_garbage_is_not_extended(tmp_path: Path) -> Non
         f.write("not json\n")
     with pytest.raises(ValueError, match="audit verify"):
         AuditLog(path, "gateway")
+
+
+def test_each_service_start_records_the_config_and_its_security_switches(tmp_path: Path) -> None:
+    import yaml
+
+    from crossfill.config import parse_config
+    from crossfill.security.audit import open_audit
+
+    data = yaml.safe_load(Path("examples/two-dc.yaml").read_text())
+    data["security"] = {**data.get("security", {}), "audit_dir": str(tmp_path)}
+    cfg = parse_config(data, "two-dc.yaml")
+    open_audit(cfg, "gateway")
+    data["security"] |= {"auth": {**data["security"].get("auth", {}), "enabled": False}, "tls": {"enabled": False}}
+    relaxed = parse_config(data, "two-dc.yaml")
+    open_audit(relaxed, "gateway")  # a restart with auth and TLS turned off is on the record
+    records = [json.loads(line) for line in (tmp_path / "gateway.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records] == ["config_loaded", "config_loaded"]
+    first, second = records
+    assert (first["auth"], first["tls"], first["tickets"], first["kv_encryption"]) == (True, True, True, True)
+    assert (second["auth"], second["tls"]) == (False, False)
+    assert first["config_sha256"] != second["config_sha256"]
+    assert first["limits_sha256"] == second["limits_sha256"]
+    assert "crossfill-demo-key" not in (tmp_path / "gateway.jsonl").read_text()  # dev keys stay out
+    assert verify(tmp_path / "gateway.jsonl").ok

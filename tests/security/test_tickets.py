@@ -287,3 +287,29 @@ def test_a_rewrite_that_keeps_size_and_timestamp_is_still_picked_up(keydir: Path
     monkeypatch.setattr(TicketKeys, "RECHECK_S", 0.0)
     keys.refresh()
     assert keys.current == kid and set(keys.keys) == {kid}
+
+
+def _ticket_cli(*args: str) -> str:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "crossfill.cli", "certs", "ticket-key", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_rotation_cli_adds_switches_and_drops_keys(keydir: Path) -> None:
+    clock = Clock()
+    signer, verifier = _parts(keydir, clock)
+    old = _ticket_cli("list", str(keydir)).split()[0]
+    before = _sign(signer)
+    new = _ticket_cli("add", str(keydir), "--no-current").strip()
+    assert _ticket_cli("list", str(keydir)).splitlines() == sorted([f"{old}  current", new])
+    _ticket_cli("use", str(keydir), new)
+    _ticket_cli("drop", str(keydir), old)
+    _bump(keydir / TICKET_KEYS)
+    assert _refused(verifier, before) == "unknown_key"  # the dropped key's tickets stop verifying
+    verifier.verify(_sign(signer), tenant="acme", decode="here-decode-0", cache_id="req-1.b")
+    assert bytes.fromhex(json.loads((keydir / TICKET_KEYS).read_text())["keys"][new]).hex() not in \
+        _ticket_cli("list", str(keydir))  # ids only, never key material
