@@ -77,9 +77,16 @@ class TenantLimiter:
         self.stream_retry_after_s = stream_retry_after_s
         self._tenants: dict[str, _Tenant] = {}
 
+    # With auth off the tenant is whatever a body says, so the table must not grow without end;
+    # forgetting idle tenants only refills their buckets early (a client choosing its tenant name
+    # can dodge per-tenant limits anyway: that is what keys are for).
+    _MAX_TENANTS = 10_000
+
     def _tenant(self, tenant: str) -> _Tenant:
         t = self._tenants.get(tenant)
         if t is None:
+            if len(self._tenants) >= self._MAX_TENANTS:
+                self._tenants = {name: held for name, held in self._tenants.items() if held.streams}
             lim, now = self.cfg.tenant(tenant), self.clock()
             rpm, tpm = lim.requests_per_minute, lim.tokens_per_minute
             t = self._tenants[tenant] = _Tenant(

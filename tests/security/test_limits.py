@@ -79,3 +79,17 @@ def test_audit_throttle_one_per_key_per_second_and_counts_the_rest() -> None:
     assert th.allow("u") == 0
     clock.t += 1
     assert th.allow("t") == 2  # the next record says how many were held back
+
+
+def test_the_tenant_table_stays_bounded_and_keeps_tenants_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With auth off any body names a tenant: a stream of new names must not grow memory without end."""
+    monkeypatch.setattr(TenantLimiter, "_MAX_TENANTS", 50)
+    lim, _ = _limiter(max_concurrent_streams=1)
+    held = lim.admit("busy", 1)  # in flight across the purge: its stream count must survive
+    for i in range(500):
+        lim.admit(f"t{i}", 1)()
+    assert len(lim._tenants) <= 50
+    with pytest.raises(LimitExceeded, match="in flight"):
+        lim.admit("busy", 1)
+    held()
+    lim.admit("busy", 1)()
