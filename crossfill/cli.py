@@ -27,6 +27,7 @@ _COMMAND_PACKAGES = (
     "crossfill.reliability",
     "crossfill.sim",
     "crossfill.security",
+    "crossfill.observability",
 )
 
 for _package in _COMMAND_PACKAGES:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -183,6 +183,9 @@ class ObservabilityConfig(_Strict):
     metrics_enabled: bool = True
     tracing_enabled: bool = True
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Tenants that get their own `tenant` label value in metrics, beyond those the config names
+    # elsewhere (routing.tenants, security.limits.tenants, security.auth.dev_keys); others are "other".
+    metric_tenants: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(default=[], max_length=1000)
 
 
 class InferenceServiceConfig(_Strict):

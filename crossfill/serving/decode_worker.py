@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from crossfill.config import CrossfillConfig, Instance
+from crossfill.observability.collectors import ReceiverCollector
+from crossfill.observability.request_log import RequestLog
 from crossfill.security.audit import open_audit
 from crossfill.security.tls_http import client_kwargs
 from crossfill.serving.connector import DecodeConnector, kv_at_rest
@@ -44,6 +46,8 @@ class DecodeWorker(WorkerBase):
         self.audit = open_audit(cfg, inst.name)  # one writer per file, or the hash chain forks
         self.connector = DecodeConnector(cfg, inst, kv_at_rest(cfg, registry=self.metrics.registry, audit=self.audit))
         self.tickets = TicketGate(cfg, inst.name, self.metrics, self.audit)
+        self.metrics.registry.register(ReceiverCollector(self.connector.counters))  # refusals, checksum failures
+        self.request_log = RequestLog("decode", inst.name)
         self.fetcher: KVFetcher | None = None
         self._background: set[asyncio.Task[Any]] = set()  # every task we start, so none is lost
         self.http: httpx.AsyncClient | None = None
@@ -123,6 +127,8 @@ class DecodeWorker(WorkerBase):
                 if got.notes:
                     info.degradation_reason = "; ".join(r for r in (info.degradation_reason, *got.notes) if r)
                 info.timings_ms.update(got.timings)
+                self.metrics.worker.cache_hit.labels("decode").inc(got.decode_cached_tokens)
+                self.metrics.worker.cache_query.labels("decode").inc(len(job.prompt_token_ids))
                 t_kv = time.perf_counter()
                 stream = got.reservation.handle.decode(got.first_token_id)
             first_out = True
@@ -148,6 +154,11 @@ class DecodeWorker(WorkerBase):
                     info.timings_ms["decode"] = (time.perf_counter() - t_first) * 1000
                     info.timings_ms["decode_total"] = (time.perf_counter() - started) * 1000
                     self.metrics.requests.labels(info.route, "ok").inc()
+                    self._observe_decode(job, info, out.completion_tokens, out.num_cached_tokens)
+                    self.request_log.emit("decode", info, status="ok", finish_reason=out.finish_reason,
+                                          prompt_tokens=len(job.prompt_token_ids),
+                                          output_tokens=out.completion_tokens,
+                                          kv_raw_bytes=info.kv_raw_bytes, kv_wire_bytes=info.kv_wire_bytes)
                     yield ndjson(Done(finish_reason=out.finish_reason, crossfill=info,
                                       usage=Usage(prompt_tokens=len(job.prompt_token_ids),
                                                   completion_tokens=out.completion_tokens,
@@ -157,6 +168,9 @@ class DecodeWorker(WorkerBase):
         except APIError as exc:
             finished = True
             self.metrics.errors.labels(exc.code or "error").inc()
+            self.metrics.requests.labels(info.route, "error").inc()
+            self.request_log.emit("decode", info, status="error", error_code=exc.code or "error",
+                                  error=f"{exc.status} {exc.message}")
             ev = ErrorEvent(status=exc.status, code=exc.code, message=exc.message, retry_after=exc.retry_after,
                             crossfill=info)
             if not first.done():
@@ -164,6 +178,8 @@ class DecodeWorker(WorkerBase):
             yield ndjson(ev)
         except ValueError as exc:  # the engine's limits (prompt or max_tokens past the context)
             finished = True
+            self.metrics.requests.labels(info.route, "error").inc()
+            self.request_log.emit("decode", info, status="error", error_code="context_length_exceeded", error=str(exc))
             ev = ErrorEvent(status=400, code="context_length_exceeded", message=str(exc), param="max_tokens",
                             crossfill=info)
             if not first.done():
@@ -172,6 +188,7 @@ class DecodeWorker(WorkerBase):
         finally:
             if not finished:
                 log.info("decode %s: client went away, aborting", job.request_id)
+                self.request_log.emit("decode", info, status="client_closed", error_code="client_closed")
             if engine_id is not None and not engine_done:
                 try:
                     await shielded(self.engine.abort(engine_id))
@@ -180,6 +197,16 @@ class DecodeWorker(WorkerBase):
                     log.warning("decode %s: aborting %s failed: %s", job.request_id, engine_id, exc)
             if not first.done():
                 first.set_result((499, ErrorEvent(status=499, code="client_closed", message="client closed the request")))
+
+    def _observe_decode(self, job: DecodeJob, info: RouteInfo, completion_tokens: int, cached_tokens: int) -> None:
+        decode_s = info.timings_ms.get("decode", 0.0) / 1000
+        self.metrics.worker.decode_seconds.labels(info.route).observe(decode_s)
+        if decode_s > 0 and completion_tokens > 1:
+            # The first token came from prefill: the decode loop made the others.
+            self.metrics.worker.decode_tps.labels(info.route).observe((completion_tokens - 1) / decode_s)
+        if job.route.prefill == self.inst.name:  # colocated: this instance's own prefix cache served the prompt
+            self.metrics.worker.cache_hit.labels("decode").inc(cached_tokens)
+            self.metrics.worker.cache_query.labels("decode").inc(len(job.prompt_token_ids))
 
     def kv_stats(self) -> dict[str, int]:
         stats = super().kv_stats()

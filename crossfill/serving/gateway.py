@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,6 +42,8 @@ from pydantic import TypeAdapter
 from crossfill.config import CrossfillConfig
 from crossfill.engine.block_pool import prompt_block_hashes
 from crossfill.engine.sampling import SamplingParams
+from crossfill.observability.metrics_defs import STAGES, TenantLabels
+from crossfill.observability.request_log import RequestLog
 from crossfill.policy.routing import Route
 from crossfill.security.audit import open_audit
 from crossfill.security.auth import Authenticator
@@ -182,12 +185,15 @@ class Gateway:
         self.cfg = cfg
         self.facts = facts
         self.readiness = Readiness("gateway", "gateway")
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics("gateway", "gateway", cfg.topology.local_datacenter)
+        self.tenant_label = TenantLabels(cfg)  # bounded `tenant` label values
+        self.request_log = RequestLog("gateway", "gateway")
         self.http: httpx.AsyncClient | None = None
         self.scheduler_url = cfg.scheduler_url()
         self._tls = client_kwargs(cfg, "gateway")  # mutual TLS to the scheduler and decode; {} when off
         self.tracing = cfg.inference_service.observability.tracing_enabled
         self.requests = InFlight()
+        self.metrics.queue.set_function(lambda: self.requests.count)
         self.request_ids: set[str] = set()  # ids of the requests in flight (see claim_id)
         self.audit = open_audit(cfg, "gateway")
         self.auth = Authenticator.from_config(cfg, self.audit)  # ConfigError when auth is on and no key exists
@@ -456,25 +462,31 @@ class Gateway:
             self.metrics.ttft.labels(done.route).observe(t_first - job.arrived)
         done.timings_ms["total"] = (now - job.arrived) * 1000
         self.metrics.e2e.labels(done.route).observe(now - job.arrived)
-        self.metrics.requests.labels(done.route, "ok").inc()
+        for stage in STAGES:
+            if stage in done.timings_ms:
+                self.metrics.gw.stage.labels(stage, done.route).observe(done.timings_ms[stage] / 1000)
+        tenant = self.tenant_label(done.tenant_id)
+        self.metrics.gw.prompt_tokens.labels(done.route, tenant).inc(final.usage.prompt_tokens)
+        self.metrics.gw.output_tokens.labels(done.route, tenant).inc(final.usage.completion_tokens)
         if done.degradation_reason:
             self.metrics.fallbacks.labels("degraded").inc()
         self.log_request(done, final.finish_reason)
         return done
 
-    def log_request(self, info: RouteInfo, finish: str | None, error: str | None = None) -> None:
-        t = {k: round(v, 1) for k, v in info.timings_ms.items()}
-        line = (f"request {info.request_id} tenant={info.tenant_id} route={info.route} prefill={info.prefill_instance} "
-                f"decode={info.decode_instance} cache={info.cache_id} kv_raw={info.kv_raw_bytes} "
-                f"kv_wire={info.kv_wire_bytes} retries={info.retries} timings_ms={t} finish={finish} "
-                f"type={info.request_type} reason={info.route_reason!r}")
-        if self.tracing and info.trace_id:
-            line += f" trace={info.trace_id}"
-        if info.degradation_reason:
-            line += f" degraded=({info.degradation_reason})"
-        if error:
-            line += f" error=({error})"
-        (log.warning if info.degradation_reason or error else log.info)("%s", line)
+    def log_request(self, info: RouteInfo, finish: str | None, error: str | None = None, *,
+                    outcome: str | None = None, error_code: str | None = None) -> None:
+        """Count the finished request (`crossfill_requests_total{outcome}`) and write its JSON log line.
+
+        `outcome`: ok, error (nothing reached the client), error_after_first_token, client_closed.
+        """
+        outcome = outcome or ("error" if error else "ok")
+        route = info.route if info.decode_instance or info.prefill_instance else "none"
+        self.metrics.requests.labels(route, outcome).inc()
+        self.metrics.gw.by_tenant.labels(self.tenant_label(info.tenant_id), route, outcome).inc()
+        self.request_log.emit("request", info, status=outcome, error_code=error_code, error=error,
+                              finish_reason=finish, kv_raw_bytes=info.kv_raw_bytes, kv_wire_bytes=info.kv_wire_bytes,
+                              prefill_cached_tokens=info.prefill_cached_tokens,
+                              decode_cached_tokens=info.decode_cached_tokens)
 
 
 def _note_reschedules(job: _Job, info: RouteInfo) -> None:
@@ -544,6 +556,21 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         # Nobody reads this; 499 (nginx's "client closed request") keeps access logs honest.
         return APIError(499, "client closed the request", code="client_closed").response()
 
+    def counted(handler: Callable[[Request], Awaitable[T]]) -> Callable[[Request], Awaitable[T]]:
+        """Count and log a request refused before it was admitted (no key, bad body, unknown model,
+        prompt past the context); respond() counts and logs every admitted one itself."""
+        @functools.wraps(handler)
+        async def wrapper(request: Request) -> T:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                if not getattr(exc, "logged", False):
+                    gw.metrics.errors.labels(exc.code or "error").inc()
+                    gw.log_request(RouteInfo(request_id=""), None, f"{exc.status} {exc.code}: {exc.message}",
+                                   error_code=exc.code or "error")
+                raise
+        return wrapper
+
     def need_facts() -> ModelFacts:
         if gw.facts is None:
             raise APIError(503, f"the gateway is not ready: {gw.readiness.reason}", code="not_ready",
@@ -568,6 +595,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
     @app.post("/v1/chat/completions", response_model=None,
               openapi_extra=openapi_doc.request_body(ChatCompletionRequest, openapi_doc.CHAT_EXAMPLES),
               responses=openapi_doc.responses(ChatCompletion, ChatCompletionChunk))
+    @counted
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
         req = await read_request(request, ChatCompletionRequest)
         facts = need_facts()
@@ -579,6 +607,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
     @app.post("/v1/completions", response_model=None,
               openapi_extra=openapi_doc.request_body(CompletionRequest, openapi_doc.COMPLETION_EXAMPLES),
               responses=openapi_doc.responses(Completion, CompletionChunk))
+    @counted
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         req = await read_request(request, CompletionRequest)
         facts = need_facts()
@@ -595,6 +624,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
     @app.post("/v1/generate", response_model=None,
               openapi_extra=openapi_doc.request_body(GenerateRequest, openapi_doc.GENERATE_EXAMPLES),
               responses=openapi_doc.responses(GenerateResponse, GenerateChunk, (*openapi_doc.POST_ERRORS, 409)))
+    @counted
     async def generate(request: Request) -> JSONResponse | StreamingResponse:
         req = await read_request(request, GenerateRequest)
         facts = need_facts()
@@ -623,7 +653,12 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             gw.metrics.errors.labels(exc.code or "error").inc()
             ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id,
                                                                      "tenant_id": job.fields.tenant_id})
-            gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}")
+            gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}", error_code=exc.code or "error")
+            exc.logged = True  # type: ignore[attr-defined]  # not again by `counted`
+            raise
+        except ClientGone:
+            gw.log_request(RouteInfo(request_id=job.request_id, tenant_id=job.fields.tenant_id), None,
+                           "client closed the request", outcome="client_closed", error_code="client_closed")
             raise
 
     async def complete(job: _Job, backoff: Backoff, avoid: list[str]) -> JSONResponse:
@@ -670,6 +705,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         base = {"id": job.request_id, "object": _object(job.kind, True), "created": job.created, "model": job.model}
         t_first: float | None = None
         include_usage = bool(job.fields.stream_options and job.fields.stream_options.include_usage)
+        ended = False  # the stream reached its final chunk (result or error): anything else is the client leaving
         try:
             if job.kind == "chat":
                 role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -689,21 +725,33 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                              "crossfill": done.as_dict()}
                     if include_usage or job.kind == "generate":
                         final["usage"] = _usage(ev)
+                    ended = True
                     yield _sse(final)
                     yield b"data: [DONE]\n\n"
                     return
                 elif isinstance(ev, ErrorEvent):
+                    ended = True
+                    gw.metrics.errors.labels(ev.code or "error").inc()
+                    gw.log_request(ev.crossfill or info, None, f"{ev.status} {ev.code}: {ev.message}",
+                                   outcome="error" if t_first is None else "error_after_first_token",
+                                   error_code=ev.code or "error")
                     yield _sse(APIError(ev.status, ev.message, code=ev.code,
                                         extra={"crossfill": ev.crossfill.as_dict() if ev.crossfill else None}).body())
                     yield b"data: [DONE]\n\n"
                     return
             raise ValueError("decode stream ended without a result")
         except (httpx.HTTPError, ValueError) as exc:
+            ended = True
             gw.metrics.errors.labels("decode_failed").inc()
             err = APIError(502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed")
+            gw.log_request(info, None, err.message, outcome="error" if t_first is None else "error_after_first_token",
+                           error_code="decode_failed")
             yield _sse(err.body())
             yield b"data: [DONE]\n\n"
         finally:
+            if not ended:
+                gw.log_request(info, None, "client closed the stream", outcome="client_closed",
+                               error_code="client_closed")
             await shielded(events.aclose())  # type: ignore[attr-defined]
 
     return app

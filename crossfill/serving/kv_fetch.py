@@ -119,6 +119,7 @@ class KVFetcher:
                 failures.append(Failure(step.instance, exc.reason, exc.status, exc.retryable))
                 info.retries = len(failures)
                 self.metrics.retries.inc()
+                self.metrics.worker.kv_transfers.labels(self._where(step.instance, job), "failed").inc()
                 log.warning("decode %s: KV from %s failed (%s)", job.request_id, step.instance, exc.reason)
                 if exc.status >= 500 and exc.status != 503:
                     # A failed transfer or a prefill that broke: evidence about the link for the
@@ -158,7 +159,8 @@ class KVFetcher:
                               decode_cached_tokens=res.cached_tokens, decode_prefix_digest=res.prefix_digest,
                               ticket=job.ticket)
             t_call = time.perf_counter()
-            first, t_kv = await self._prefill_and_transfer(name, url, pjob, timeout_s)
+            where = self._where(name, job)  # local | remote: the route label of this transfer's metrics
+            first, t_kv = await self._prefill_and_transfer(name, url, pjob, timeout_s, where)
             raw, wire = self.connector.transfer_bytes(cache_id)
             queue_ms = (t_call - started) * 1000 + first.timings_ms.get("queue", 0.0)
             prefill_ms = first.timings_ms.get("prefill", 0.0)
@@ -166,6 +168,9 @@ class KVFetcher:
             self.metrics.transfer.observe(transfer_ms / 1000)
             self.metrics.kv_raw.inc(raw)
             self.metrics.kv_wire.inc(wire)
+            self.metrics.worker.kv_transfers.labels(where, "ok").inc()
+            self.metrics.worker.kv_raw.labels(where).observe(raw)
+            self.metrics.worker.kv_wire.labels(where).observe(wire)
             skipped = first.export_from
             saved = 0
             if skipped:
@@ -189,8 +194,8 @@ class KVFetcher:
                     self.metrics.cleanup_failures.labels("import_abort").inc()
                     log.warning("decode %s: aborting import %s failed: %s", job.request_id, cache_id, exc)
 
-    async def _prefill_and_transfer(self, name: str, url: str, pjob: PrefillJob,
-                                    timeout_s: float) -> tuple[FirstToken | PrefillDone, float]:
+    async def _prefill_and_transfer(self, name: str, url: str, pjob: PrefillJob, timeout_s: float,
+                                    where: str = "remote") -> tuple[FirstToken | PrefillDone, float]:
         """Run the prefill call and the transfer wait side by side until both the first token and
         the verified commit are in; the prefill stream then runs on to `done` in the background."""
         cache_id = pjob.cache_id
@@ -233,10 +238,11 @@ class KVFetcher:
         finally:
             if not got_both:
                 await cancel_and_wait(kv_task, pre_task)
-        self._finish_in_background(pre_task, name, pjob)
+        self._finish_in_background(pre_task, name, pjob, where)
         return first_fut.result(), t_kv[0]
 
-    def _finish_in_background(self, pre_task: asyncio.Task[PrefillDone], name: str, job: PrefillJob) -> None:
+    def _finish_in_background(self, pre_task: asyncio.Task[PrefillDone], name: str, job: PrefillJob,
+                              where: str) -> None:
         """Let the prefill stream reach `done`, then report the transfer to the scheduler."""
         self.background.add(pre_task)
 
@@ -246,6 +252,7 @@ class KVFetcher:
                 return
             done_event = t.result()
             k = done_event.kv
+            self.metrics.worker.kv_duration.labels(where).observe(k.duration_s)
             self.report(name, k.wire_bytes, k.duration_s, True, k.commit_wait_s, request_id=job.request_id,
                         tokens=len(job.prompt_token_ids) - done_event.export_from, frames=k.frames,
                         retransmits=k.retransmits)

@@ -1,7 +1,11 @@
 """Prometheus metrics of the serving processes (M5.10), switched by observability.metrics_enabled.
 
 Each process owns one registry; `/metrics` serves it when metrics are enabled and answers 404
-otherwise, so turning the key off really removes the endpoint.
+otherwise, so turning the key off really removes the endpoint. The metrics defined here are the
+first ones; the rest of M5.10 is grouped by who updates it in `crossfill.observability.metrics_defs`
+(`gw`, `worker`, `sched`), and what a service already keeps is read at scrape time by the
+collectors of `crossfill.observability.collectors` and `.process` (CPU/GPU use, RSS).
+docs/OBSERVABILITY.md lists every name.
 """
 
 from __future__ import annotations
@@ -13,16 +17,20 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     generate_latest,
 )
 
+from crossfill.observability.metrics_defs import GatewayMetrics, SchedulerMetrics, WorkerMetrics
+from crossfill.observability.process import register_process_metrics
 from crossfill.serving.errors import APIError
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class ServingMetrics:
-    def __init__(self) -> None:
+    def __init__(self, name: str | None = None, role: str | None = None, datacenter: str | None = None) -> None:
+        """`name`/`role`/`datacenter`: who this process is, exported as `crossfill_instance_info`."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("crossfill_requests", "Requests finished, by route and outcome",
                                 ["route", "outcome"], registry=r)
@@ -54,6 +62,13 @@ class ServingMetrics:
                                        "decode jobs, KV manifests), by reason", ["reason"], registry=r)
         self.preemptions = Gauge("crossfill_preemptions", "Requests preempted by the engine for KV memory "
                                  "(cumulative, from the engine)", registry=r)
+        self.gw = GatewayMetrics(r)
+        self.worker = WorkerMetrics(r)
+        self.sched = SchedulerMetrics(r)
+        register_process_metrics(r)
+        if name is not None:
+            Info("crossfill_instance", "Which process answers this scrape", registry=r).info(
+                {"instance_name": name, "instance_role": role or "", "instance_datacenter": datacenter or ""})
 
 
 def add_metrics_route(app: FastAPI, metrics: ServingMetrics, enabled: bool) -> None:

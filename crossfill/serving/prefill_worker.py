@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
+from crossfill.observability.request_log import RequestLog
 from crossfill.security.audit import open_audit
 from crossfill.serving.connector import PrefillConnector, build_manifest, kv_at_rest
 from crossfill.serving.errors import parse_body
@@ -42,6 +43,7 @@ from crossfill.serving.protocol import (
     KVReport,
     PrefillDone,
     PrefillJob,
+    RouteInfo,
     ndjson,
 )
 from crossfill.serving.streaming import ClosingStreamingResponse, shielded
@@ -60,6 +62,9 @@ class PrefillWorker(WorkerBase):
         self.audit = open_audit(cfg, inst.name)  # one writer per file, or the hash chain forks
         self.connector = PrefillConnector(cfg, inst, kv_at_rest(cfg, registry=self.metrics.registry, audit=self.audit))
         self.tickets = TicketGate(cfg, inst.name, self.metrics, self.audit)
+        self.request_log = RequestLog("prefill", inst.name)
+        # Decode runs in the local datacenter: this instance's KV crosses a link unless it is there too.
+        self.route = "local" if inst.datacenter == cfg.topology.local_datacenter else "remote"
         # (tokens computed, seconds) of recent prefills: the speed the scheduler's routing and
         # re-tuning assume for this instance. A sum over several jobs, so long prompts (where
         # speed matters) weigh more than short ones (where fixed costs dominate).
@@ -149,24 +154,45 @@ class PrefillWorker(WorkerBase):
             t_commit = time.perf_counter()
             timings["commit_wait"] = (t_commit - t_done) * 1000
             self.metrics.prefill.observe(t_done - start)
+            self._observe(job, out, timings, stats.frames, stats.retransmits)
             computed = len(job.prompt_token_ids) - out.num_cached_tokens
             if computed > 0 and t_done > start:
                 self._speed.append((computed, t_done - start))
-            log.info("prefill %s cache=%s tokens=%d cached=%d sent_from=%d prefill_ms=%.1f kv raw=%d wire=%d -> %s%s",
-                     job.request_id, job.cache_id, len(job.prompt_token_ids), out.num_cached_tokens, plan.export_from,
-                     timings["prefill"], stats.raw_bytes, stats.wire_bytes, job.decode_instance,
-                     f" trace={job.trace_id}" if job.trace_id else "")
+            self.request_log.emit("prefill", self._info(job, timings), status="ok",
+                                  prompt_tokens=len(job.prompt_token_ids), prefill_cached_tokens=out.num_cached_tokens,
+                                  sent_from_token=plan.export_from, kv_raw_bytes=stats.raw_bytes,
+                                  kv_wire_bytes=stats.wire_bytes, kv_frames=stats.frames,
+                                  kv_retransmits=stats.retransmits)
             await events.put(PrefillDone(**result, kv=KVReport.model_validate(stats.as_dict())))
         except asyncio.CancelledError:
             await self._abort_engine(engine_id)
             raise
         except ValueError as exc:
+            self.request_log.emit("prefill", self._info(job, {}), status="error", error_code="invalid_request",
+                                  error=str(exc))
             await events.put(ErrorEvent(status=400, code="invalid_request", message=str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported to decode, which retries or falls back
             log.warning("prefill %s cache=%s failed: %s: %s", job.request_id, job.cache_id, type(exc).__name__, exc)
+            self.request_log.emit("prefill", self._info(job, {}), status="error", error_code="prefill_failed",
+                                  error=f"{type(exc).__name__}: {exc}")
             await self._abort_engine(engine_id)
             await events.put(ErrorEvent(status=502, code="prefill_failed",
                                         message=f"prefill on {self.inst.name} failed: {type(exc).__name__}: {exc}"))
+
+    def _info(self, job: PrefillJob, timings: dict[str, float]) -> RouteInfo:
+        """This prefill attempt as the request log reports it (decode's line covers the whole request)."""
+        return RouteInfo(request_id=job.request_id, route=self.route, prefill_instance=self.inst.name,
+                         decode_instance=job.decode_instance, cache_id=job.cache_id, timings_ms=timings,
+                         trace_id=job.trace_id, tenant_id=job.tenant_id)
+
+    def _observe(self, job: PrefillJob, out: PrefillOutput, timings: dict[str, float], frames: int,
+                 retransmits: int) -> None:
+        m = self.metrics.worker
+        m.prefill_queue.observe(timings["queue"] / 1000)
+        m.cache_hit.labels("prefill").inc(out.num_cached_tokens)
+        m.cache_query.labels("prefill").inc(len(job.prompt_token_ids))
+        m.frames_sent.labels(self.route).inc(frames)
+        m.frames_retransmitted.labels(self.route).inc(retransmits)
 
     async def _abort_engine(self, engine_id: str) -> None:
         try:

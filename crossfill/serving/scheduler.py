@@ -43,6 +43,8 @@ from pydantic import Field
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.block_pool import DEFAULT_BLOCK_SIZE as PREFIX_BLOCK_SIZE
 from crossfill.net.probe import measure_bandwidth_paired
+from crossfill.observability.collectors import ClusterCollector
+from crossfill.observability.route_reasons import reason_label
 from crossfill.policy import Defer, InstanceState, NoRoute, RouteRequest, Snapshot, decide
 from crossfill.policy.kv_index import KVIndex
 from crossfill.policy.routing import Route
@@ -349,10 +351,15 @@ def avoiding(snap: Snapshot, names: list[str]) -> Snapshot:
 def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     state = ClusterState(cfg)
     readiness = Readiness("scheduler", "scheduler")
-    metrics = ServingMetrics()
+    metrics = ServingMetrics("scheduler", "scheduler", cfg.topology.local_datacenter)
     tickets = TicketGate(cfg, "scheduler", metrics)  # signs only: reads the keys now, so missing ones stop start-up
     routing = cfg.inference_service.routing
     batch_queue = BatchQueue(routing.batch_queue_max, routing.batch_max_wait_s)
+    metrics.registry.register(ClusterCollector(
+        lambda: state.links, lambda: list(state.workers.values()),
+        lambda: {"crossfill_batch_queue_depth": ("Batch requests waiting for spare capacity", len(batch_queue)),
+                 "crossfill_routing_threshold_tokens": ("Long-prompt threshold auto routing uses now",
+                                                        state.threshold_tokens())}))
     interval = cfg.serving.health_check_interval_ms / 1000
     tls = client_kwargs(cfg, "scheduler")  # mutual TLS to every worker; {} when off
 
@@ -438,12 +445,15 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         except NoRoute as exc:
             retry = cfg.serving.retry_after_s if exc.status in (429, 503) else None
             metrics.errors.labels(exc.code).inc()
+            metrics.sched.decisions.labels("refused", exc.code, "false").inc()
             param = {"invalid_prefill_policy": "prefill_policy", "invalid_request_type": "request_type"}.get(exc.code)
             raise APIError(exc.status, exc.message, code=exc.code, retry_after=retry, param=param) from None
+        metrics.sched.decisions.labels(r.kind, reason_label(r.reason), str(bool(r.degradation_reason)).lower()).inc()
         if r.degradation_reason:
             metrics.fallbacks.labels("routing").inc()
             log.warning("request %s degraded at routing: %s", q.request_id, r.degradation_reason)
-        log.info("route %s: %s prefill=%s decode=%s (%s)", q.request_id, r.kind, r.prefill, r.decode, r.reason)
+        log.info("route %s: %s prefill=%s decode=%s tenant=%s (%s)", q.request_id, r.kind, r.prefill, r.decode,
+                 q.tenant_id or "", r.reason)
         out: dict[str, object] = dataclasses.asdict(r)
         endpoints = state.endpoints(r)
         if endpoints:
@@ -455,7 +465,14 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
 
     @app.post("/v1/report/transfer")
     async def report(request: Request) -> dict[str, bool]:
-        state.report_transfer(await parse_body(request, TransferReport))
+        r = await parse_body(request, TransferReport)
+        state.report_transfer(r)
+        if r.from_datacenter in state.links:  # what crossed a link: its utilisation and retransmit rate
+            m = metrics.sched
+            m.link_transfers.labels(r.from_datacenter, "ok" if r.ok else "failed").inc()
+            m.link_sent.labels(r.from_datacenter).inc(r.wire_bytes)
+            m.link_frames.labels(r.from_datacenter).inc(r.frames)
+            m.link_retransmitted.labels(r.from_datacenter).inc(r.retransmits)
         return {"ok": True}
 
     @app.post("/v1/admin/links/{datacenter}")

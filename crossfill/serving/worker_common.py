@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.kv_events import KVEventBatch
+from crossfill.observability.collectors import EngineCollector
 from crossfill.serving.errors import APIError, install_error_handlers
 from crossfill.serving.health import Readiness, add_health_routes
 from crossfill.serving.metrics import ServingMetrics, add_metrics_route
@@ -79,7 +80,8 @@ class WorkerBase:
         self.capacity = capacity  # requests this instance holds at once (queued or running)
         self.requests = InFlight()
         self.readiness = Readiness(self.role, inst.name)
-        self.metrics = ServingMetrics()
+        self.metrics = ServingMetrics(inst.name, inst.role, inst.datacenter)
+        self.metrics.registry.register(EngineCollector(self.kv_stats))  # read at scrape time
         self._owns_engine = engine is None
 
     # -- engine lifecycle ---------------------------------------------------------------------
