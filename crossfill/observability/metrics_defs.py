@@ -79,6 +79,10 @@ class WorkerMetrics:
                                    ["route"], registry=r)
         self.frames_retransmitted = Counter("crossfill_kv_frames_retransmitted", "KV frames sent again (refused "
                                             "or on a broken stream)", ["route"], registry=r)
+        # A stream broken mid-transfer (a reset, a TLS record that fails its MAC after corruption on
+        # the link, a stall) reconnects; with TLS a damaged handshake shows only here.
+        self.kv_reconnects = Counter("crossfill_kv_reconnects", "KV streams reopened during completed transfers",
+                                     ["route"], registry=r)
         self.cache_hit = Counter("crossfill_prefix_cache_hit_tokens", "Prompt tokens served from a prefix cache",
                                  ["side"], registry=r)
         self.cache_query = Counter("crossfill_prefix_cache_query_tokens", "Prompt tokens looked up in a prefix "

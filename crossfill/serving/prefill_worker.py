@@ -155,6 +155,7 @@ class PrefillWorker(WorkerBase):
             timings["commit_wait"] = (t_commit - t_done) * 1000
             self.metrics.prefill.observe(t_done - start)
             self._observe(job, out, timings, stats.frames, stats.retransmits)
+            self.metrics.worker.kv_reconnects.labels(self.route).inc(stats.reconnects)
             computed = len(job.prompt_token_ids) - out.num_cached_tokens
             if computed > 0 and t_done > start:
                 self._speed.append((computed, t_done - start))

@@ -201,6 +201,7 @@ def test_corrupted_kv_bytes_count_as_integrity_failures_and_retransmits(run: tup
     assert grew(before_dec, after_dec, "crossfill_kv_integrity_failures_total") >= 1
     assert grew(before_dec, after_dec, "crossfill_kv_frames_received_total", result="refused") >= 1
     assert grew(before_far, after_far, "crossfill_kv_frames_retransmitted_total", route="remote") >= 1
+    assert grew(before_far, after_far, "crossfill_kv_reconnects_total", route="remote") >= 1  # the damaged stream
     assert grew(before_sched, after_sched, "crossfill_link_frames_retransmitted_total", link="far") >= 1
 
 
