@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	@ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
 	  && (apt-get install -y -q libibverbs1 >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null)) \
 	  || echo "note: install libibverbs1 (Debian/Ubuntu) to run the Mooncake backends"; }
+	# Debian's chromium: the /dashboard test loads the page in it headless; without it that test skips (with the reason).
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && (DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)) \
+	  || echo "note: install chromium (Debian/Ubuntu) to run the dashboard's browser test"; }
 	touch $(STAMP)
 
 setup: $(STAMP)

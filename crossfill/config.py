@@ -186,6 +186,20 @@ class ObservabilityConfig(_Strict):
     # Tenants that get their own `tenant` label value in metrics, beyond those the config names
     # elsewhere (routing.tenants, security.limits.tenants, security.auth.dev_keys); others are "other".
     metric_tenants: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(default=[], max_length=1000)
+    # Where spans go when tracing_enabled (crossfill.observability.tracing): an OpenTelemetry
+    # collector's OTLP/HTTP base URL, and/or a JSON-lines file per process (<stem>.<instance><suffix>).
+    otlp_endpoint: str | None = None
+    trace_file: str | None = Field(None, min_length=1)
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _otlp_url(cls, v: str | None) -> str | None:
+        import re
+
+        if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
+            raise ValueError(f"inference_service.observability.otlp_endpoint: an http(s) URL of an OTLP/HTTP collector "
+                             f"is expected (e.g. http://localhost:4318), got {v!r}")
+        return v
 
 
 class InferenceServiceConfig(_Strict):

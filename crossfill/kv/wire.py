@@ -39,6 +39,7 @@ MAX_HEAD_DIM = 4096
 MAX_TOKENS = 1 << 24
 MAX_ID_LEN = 256
 MAX_TICKET_LEN = 4096  # a signed transfer ticket (crossfill.security.tickets)
+MAX_TRACEPARENT_LEN = 256  # a W3C traceparent is 55 characters today; later versions may add fields
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -123,6 +124,9 @@ class Manifest:
     # receiver checks before anything else; None when tickets are off. Optional, so a version-1
     # manifest without it still parses (and is refused by a receiver that requires tickets).
     ticket: str | None = None
+    # The sender's span as a W3C traceparent (crossfill.observability.tracing), so the receiver's
+    # spans join the request's trace; None when tracing is off. Optional, like `ticket`.
+    traceparent: str | None = None
 
     def __post_init__(self) -> None:
         if self.frame_count == -1:
@@ -147,6 +151,7 @@ class Manifest:
         frame_tokens: int | None = None,
         ttl_s: float = 60.0,
         ticket: str | None = None,
+        traceparent: str | None = None,
     ) -> Manifest:
         """Manifest for shipping the KV of `token_ids` produced by layers `layer_specs`.
 
@@ -171,6 +176,7 @@ class Manifest:
             cache_id=cache_id, request_id=request_id, tenant=tenant, fingerprint=fingerprint,
             token_digest=token_digest(token_ids), num_tokens=n, codec=str(parse_codec(codec)),
             frame_tokens=frame_tokens, expires_at=time.time() + ttl_s, layers=tuple(entries), ticket=ticket,
+            traceparent=traceparent,
         )
         m.validate()
         return m
@@ -209,6 +215,8 @@ class Manifest:
         d["layers"] = [asdict(e) for e in self.layers]
         if self.ticket is None:
             del d["ticket"]  # without tickets, the bytes are those of a manifest before they existed
+        if self.traceparent is None:
+            del d["traceparent"]  # likewise without tracing
         return json.dumps(d, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -255,6 +263,9 @@ class Manifest:
             raise bad("expires_at must be unix seconds")
         if self.ticket is not None and (not isinstance(self.ticket, str) or len(self.ticket) > MAX_TICKET_LEN):
             raise bad(f"field ticket must be a string of at most {MAX_TICKET_LEN} characters")
+        if self.traceparent is not None and (not isinstance(self.traceparent, str)
+                                             or len(self.traceparent) > MAX_TRACEPARENT_LEN):
+            raise bad(f"field traceparent must be a string of at most {MAX_TRACEPARENT_LEN} characters")
         if len(self.layers) > MAX_LAYERS:
             raise bad(f"has {len(self.layers)} layers, at most {MAX_LAYERS}", Reason.OVERSIZED)
         seen = set()

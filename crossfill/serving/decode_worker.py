@@ -21,10 +21,12 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from opentelemetry.context import Context
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.observability.collectors import ReceiverCollector
 from crossfill.observability.request_log import RequestLog
+from crossfill.observability.tracing import SpanKind, Tracing, end_span
 from crossfill.security.audit import open_audit
 from crossfill.security.tls_http import client_kwargs
 from crossfill.serving.connector import DecodeConnector, kv_at_rest
@@ -48,6 +50,7 @@ class DecodeWorker(WorkerBase):
         self.tickets = TicketGate(cfg, inst.name, self.metrics, self.audit)
         self.metrics.registry.register(ReceiverCollector(self.connector.counters))  # refusals, checksum failures
         self.request_log = RequestLog("decode", inst.name)
+        self.tracing = Tracing(cfg, "decode", inst.name, inst.datacenter)
         self.fetcher: KVFetcher | None = None
         self._background: set[asyncio.Task[Any]] = set()  # every task we start, so none is lost
         self.http: httpx.AsyncClient | None = None
@@ -79,7 +82,7 @@ class DecodeWorker(WorkerBase):
         await self.connector.start()
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), trust_env=False, **self._tls)
         self.fetcher = KVFetcher(self.cfg, self.inst, self.engine, self.connector, self.http, self.metrics,
-                                 self._report, self._background, tickets=self.tickets)
+                                 self._report, self._background, tickets=self.tickets, tracing=self.tracing)
 
     async def close(self) -> None:
         for t in list(self._background):
@@ -88,11 +91,20 @@ class DecodeWorker(WorkerBase):
         await self.connector.close()
         if self.http is not None:
             await self.http.aclose()
+        self.tracing.shutdown()  # the last spans are written before the process exits
 
     # -- one request ----------------------------------------------------------------------------
-    async def run(self, job: DecodeJob, first: asyncio.Future[tuple[int, ErrorEvent | None]]) -> AsyncIterator[bytes]:
-        """Serve `job`; resolves `first` with (status, error or None) before streaming anything else."""
+    async def run(self, job: DecodeJob, first: asyncio.Future[tuple[int, ErrorEvent | None]],
+                  trace_ctx: Context | None = None) -> AsyncIterator[bytes]:
+        """Serve `job`; resolves `first` with (status, error or None) before streaming anything else.
+        `trace_ctx`: the gateway's request span (from `traceparent`), the parent of this one."""
         started = time.perf_counter()
+        span = self.tracing.start("decode.request", trace_ctx, kind=SpanKind.SERVER, attributes={
+            "crossfill.request_id": job.request_id, "crossfill.tenant_id": job.tenant_id,
+            "crossfill.prompt_tokens": len(job.prompt_token_ids), "crossfill.route_reason": job.route.reason})
+        ctx = Tracing.context(span)
+        error: str | None = "client_closed"  # the span's outcome unless an answer went out
+        completion_tokens = 0
         info = RouteInfo(request_id=job.request_id, route=job.route.kind, prefill_instance=job.route.prefill,
                          decode_instance=self.inst.name, degradation_reason=job.route.degradation_reason,
                          route_reason=job.route.reason, request_type=job.route.request_type,
@@ -112,7 +124,7 @@ class DecodeWorker(WorkerBase):
                 assert self.fetcher is not None
                 try:
                     async with asyncio.timeout(job.deadline_s):
-                        got = await self.fetcher.fetch(job, params, info, started)
+                        got = await self.fetcher.fetch(job, params, info, started, ctx)
                 except TimeoutError:
                     raise APIError(504, f"no KV cache for {job.request_id} within the request deadline "
                                    f"({job.deadline_s:g}s)", code="deadline_exceeded") from None
@@ -137,6 +149,9 @@ class DecodeWorker(WorkerBase):
                 if first_out:
                     t_first = time.perf_counter()
                     info.timings_ms["first_decode"] = (t_first - t_kv) * 1000
+                    # From verified KV (colocated: from the start, prefill included) to the first token out.
+                    self.tracing.record("decode.first_token", ctx, t_kv, t_first,
+                                        {"crossfill.colocated": job.route.prefill == self.inst.name})
                     if not first.done():
                         first.set_result((200, None))
                         yield ndjson(Routed(crossfill=info))
@@ -151,6 +166,10 @@ class DecodeWorker(WorkerBase):
                     yield ndjson(Delta(token_ids=out.new_token_ids, text=out.new_text))
                 if out.finished:
                     finished = engine_done = True
+                    error, completion_tokens = None, out.completion_tokens
+                    self.tracing.record("decode.generate", ctx, t_first, time.perf_counter(),
+                                        {"crossfill.completion_tokens": out.completion_tokens,
+                                         "crossfill.finish_reason": out.finish_reason})
                     info.timings_ms["decode"] = (time.perf_counter() - t_first) * 1000
                     info.timings_ms["decode_total"] = (time.perf_counter() - started) * 1000
                     self.metrics.requests.labels(info.route, "ok").inc()
@@ -167,6 +186,7 @@ class DecodeWorker(WorkerBase):
             raise APIError(500, "engine stream ended without a final output", code="engine_error")
         except APIError as exc:
             finished = True
+            error = exc.code or "error"
             self.metrics.errors.labels(exc.code or "error").inc()
             self.metrics.requests.labels(info.route, "error").inc()
             self.request_log.emit("decode", info, status="error", error_code=exc.code or "error",
@@ -178,6 +198,7 @@ class DecodeWorker(WorkerBase):
             yield ndjson(ev)
         except ValueError as exc:  # the engine's limits (prompt or max_tokens past the context)
             finished = True
+            error = "context_length_exceeded"
             self.metrics.requests.labels(info.route, "error").inc()
             self.request_log.emit("decode", info, status="error", error_code="context_length_exceeded", error=str(exc))
             ev = ErrorEvent(status=400, code="context_length_exceeded", message=str(exc), param="max_tokens",
@@ -197,6 +218,10 @@ class DecodeWorker(WorkerBase):
                     log.warning("decode %s: aborting %s failed: %s", job.request_id, engine_id, exc)
             if not first.done():
                 first.set_result((499, ErrorEvent(status=499, code="client_closed", message="client closed the request")))
+            end_span(span, {"crossfill.route": info.route, "crossfill.prefill_instance": info.prefill_instance,
+                            "crossfill.cache_id": info.cache_id, "crossfill.retries": info.retries,
+                            "crossfill.kv.raw_bytes": info.kv_raw_bytes, "crossfill.kv.wire_bytes": info.kv_wire_bytes,
+                            "crossfill.completion_tokens": completion_tokens}, error=error)
 
     def _observe_decode(self, job: DecodeJob, info: RouteInfo, completion_tokens: int, cached_tokens: int) -> None:
         decode_s = info.timings_ms.get("decode", 0.0) / 1000
@@ -214,7 +239,8 @@ class DecodeWorker(WorkerBase):
         return stats
 
     def _report(self, prefill: str, wire_bytes: int, seconds: float, ok: bool, tail_seconds: float = 0.0, *,
-                request_id: str | None = None, tokens: int = 0, frames: int = 0, retransmits: int = 0) -> None:
+                request_id: str | None = None, tokens: int = 0, frames: int = 0, retransmits: int = 0,
+                trace_headers: dict[str, str] | None = None) -> None:
         """Tell the scheduler what a cross-DC transfer cost (link estimates, breaker, in-flight); best effort."""
         inst = self.instances.get(prefill)
         if inst is None or inst.datacenter == self.inst.datacenter or self.http is None:
@@ -227,7 +253,7 @@ class DecodeWorker(WorkerBase):
         async def send() -> None:
             assert self.http is not None
             try:
-                await self.http.post(url, json=body, timeout=2.0)
+                await self.http.post(url, json=body, timeout=2.0, headers=trace_headers)
             except httpx.HTTPError as exc:  # the scheduler may be restarting: a missed sample, no more
                 log.debug("transfer report to the scheduler failed: %s", exc)
 
@@ -246,7 +272,7 @@ def create_decode_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None =
         worker.admit("decode_full", f"decode instance {inst.name} is at max_concurrent_requests ({worker.capacity})")
         worker.supersede(job.request_id)
         first: asyncio.Future[tuple[int, ErrorEvent | None]] = asyncio.get_running_loop().create_future()
-        gen = worker.run(job, first)
+        gen = worker.run(job, first, worker.tracing.extract(request.headers))
         # Drive the stream until its first event, so errors before decoding get a real HTTP status;
         # meanwhile watch the caller, so a gateway that hangs up during prefill/transfer aborts it.
         step = asyncio.ensure_future(anext(gen))

@@ -30,20 +30,24 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 from pydantic import TypeAdapter
 
 from crossfill.config import CrossfillConfig
 from crossfill.engine.block_pool import prompt_block_hashes
 from crossfill.engine.sampling import SamplingParams
+from crossfill.observability.dashboard_api import RecentRoutes, add_dashboard_routes
 from crossfill.observability.metrics_defs import STAGES, TenantLabels
 from crossfill.observability.request_log import RequestLog
+from crossfill.observability.tracing import Tracing, end_span
 from crossfill.policy.routing import Route
 from crossfill.security.audit import open_audit
 from crossfill.security.auth import Authenticator
@@ -79,6 +83,7 @@ from crossfill.serving.protocol import (
     ErrorEvent,
     Routed,
     RouteInfo,
+    Usage,
     parse_decode_event,
 )
 from crossfill.serving.streaming import ClosingStreamingResponse, cancel_and_wait, shielded
@@ -177,6 +182,8 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     reschedules: list[str] = field(default_factory=list)  # decode failures before the client saw a token
     trace_id: str | None = None  # one per request, kept across reschedules
+    span: Span | None = None  # the request's root span (gateway.request), ended by log_request
+    trace_ctx: Context | None = None  # its context: every hop of the request carries it as `traceparent`
     ticket: str | None = None  # the scheduler's transfer ticket for the current route (new with each route)
 
 
@@ -188,10 +195,11 @@ class Gateway:
         self.metrics = ServingMetrics("gateway", "gateway", cfg.topology.local_datacenter)
         self.tenant_label = TenantLabels(cfg)  # bounded `tenant` label values
         self.request_log = RequestLog("gateway", "gateway")
+        self.recent = RecentRoutes()  # the last finished requests' route reports, for /dashboard (no text)
         self.http: httpx.AsyncClient | None = None
         self.scheduler_url = cfg.scheduler_url()
         self._tls = client_kwargs(cfg, "gateway")  # mutual TLS to the scheduler and decode; {} when off
-        self.tracing = cfg.inference_service.observability.tracing_enabled
+        self.tracing = Tracing(cfg, "gateway", "gateway", cfg.topology.local_datacenter)
         self.requests = InFlight()
         self.metrics.queue.set_function(lambda: self.requests.count)
         self.request_ids: set[str] = set()  # ids of the requests in flight (see claim_id)
@@ -298,7 +306,8 @@ class Gateway:
                                                  max_blocks=ROUTE_PREFIX_MAX_BLOCKS)
         while True:
             try:
-                r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=route_timeout)
+                r = await self.http.post(self.scheduler_url + "/v1/route", json=query, timeout=route_timeout,
+                                         headers=Tracing.headers(job.trace_ctx))
                 body = _json(r)
                 if r.status_code == 200:
                     endpoints = {n: Endpoint.model_validate(e) for n, e in (body.pop("endpoints", None) or {}).items()}
@@ -385,7 +394,7 @@ class Gateway:
                      ) -> tuple[RouteInfo, AsyncIterator[Routed | Delta | Done | ErrorEvent]]:
         assert self.http is not None
         f = job.fields
-        job.trace_id = job.trace_id or f.trace_id or (uuid.uuid4().hex if self.tracing else None)
+        job.trace_id = job.trace_id or f.trace_id or (uuid.uuid4().hex if self.tracing.enabled else None)
         trace_id = job.trace_id
         dec_url = (endpoints[route.decode].url(self.cfg.http_scheme()) if route.decode in endpoints
                    else self.cfg.instance(route.decode).url)
@@ -399,7 +408,7 @@ class Gateway:
             try:
                 resp = await stack.enter_async_context(
                     self.http.stream("POST", dec_url + "/v1/decode", content=djob.model_dump_json(),  # type: ignore[union-attr]
-                                     headers={"content-type": "application/json"}))
+                                     headers={"content-type": "application/json", **Tracing.headers(job.trace_ctx)}))
             except httpx.HTTPError as exc:
                 raise Reschedule(route.decode, APIError(
                     503, f"decode instance {route.decode} unreachable: {type(exc).__name__}",
@@ -470,11 +479,24 @@ class Gateway:
         self.metrics.gw.output_tokens.labels(done.route, tenant).inc(final.usage.completion_tokens)
         if done.degradation_reason:
             self.metrics.fallbacks.labels("degraded").inc()
-        self.log_request(done, final.finish_reason)
+        self.log_request(done, final.finish_reason, usage=final.usage, span=job.span)
         return done
 
+    def start_trace(self, job: _Job, headers: Mapping[str, str]) -> None:
+        """Open the request's root span. A client's `trace_id` is what the route report shows (of 32
+        hex digits, it is the trace id too); without one, the report shows the trace id."""
+        f = job.fields
+        job.span = self.tracing.start_root("gateway.request", headers=headers, trace_id=f.trace_id, attributes={
+            "crossfill.request_id": job.request_id, "crossfill.api": job.kind, "crossfill.tenant_id": f.tenant_id,
+            "crossfill.prompt_tokens": len(job.prompt_token_ids), "crossfill.max_tokens": job.sampling.max_tokens,
+            "crossfill.stream": bool(f.stream), "crossfill.prefill_policy": f.prefill_policy,
+            "crossfill.client_trace_id": f.trace_id})
+        job.trace_ctx = Tracing.context(job.span)
+        job.trace_id = f.trace_id or Tracing.trace_id(job.span)
+
     def log_request(self, info: RouteInfo, finish: str | None, error: str | None = None, *,
-                    outcome: str | None = None, error_code: str | None = None) -> None:
+                    outcome: str | None = None, error_code: str | None = None, usage: Usage | None = None,
+                    span: Span | None = None) -> None:
         """Count the finished request (`crossfill_requests_total{outcome}`) and write its JSON log line.
 
         `outcome`: ok, error (nothing reached the client), error_after_first_token, client_closed.
@@ -483,10 +505,25 @@ class Gateway:
         route = info.route if info.decode_instance or info.prefill_instance else "none"
         self.metrics.requests.labels(route, outcome).inc()
         self.metrics.gw.by_tenant.labels(self.tenant_label(info.tenant_id), route, outcome).inc()
+        self.recent.add(info, outcome, error_code, usage)
         self.request_log.emit("request", info, status=outcome, error_code=error_code, error=error,
                               finish_reason=finish, kv_raw_bytes=info.kv_raw_bytes, kv_wire_bytes=info.kv_wire_bytes,
                               prefill_cached_tokens=info.prefill_cached_tokens,
                               decode_cached_tokens=info.decode_cached_tokens)
+        if span is not None:  # the request's root span ends with its outcome
+            end_span(span, {"crossfill.outcome": outcome, "crossfill.route": route, "crossfill.finish_reason": finish,
+                            "crossfill.prefill_instance": info.prefill_instance,
+                            "crossfill.decode_instance": info.decode_instance, "crossfill.cache_id": info.cache_id,
+                            "crossfill.retries": info.retries, "crossfill.degradation_reason": info.degradation_reason,
+                            "crossfill.ttft_ms": info.timings_ms.get("first_token"),
+                            "crossfill.completion_tokens": usage.completion_tokens if usage else None},
+                     error=None if outcome == "ok" else error_code or outcome)
+
+
+def _first_token(job: _Job) -> None:
+    """Mark the first token's arrival on the request's span (TTFT in the trace)."""
+    if job.span is not None:
+        job.span.add_event("first_token")
 
 
 def _note_reschedules(job: _Job, info: RouteInfo) -> None:
@@ -540,6 +577,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                 await task
             if gw.http is not None:
                 await gw.http.aclose()
+            gw.tracing.shutdown()  # the last spans are written before the process exits
 
     app = FastAPI(title="crossfill gateway", lifespan=lifespan)
     openapi_doc.install(app, cfg.model.api_name, cfg.security.auth.enabled)
@@ -548,6 +586,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
     app.add_middleware(BodyLimits, max_bytes=lim.max_body_bytes, timeout_s=lim.client_body_timeout_s)
     add_health_routes(app, gw.readiness)
     add_metrics_route(app, gw.metrics, cfg.inference_service.observability.metrics_enabled)
+    add_dashboard_routes(app, gw)  # /dashboard/: the page (no key), its state (admin key when auth is on)
     app.state.gateway = gw
     app.state.drain = gw.drain
 
@@ -641,6 +680,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
         gw.requests.enter()
         release_when_request_ends(gw.requests.leave)
         backoff, avoid = Backoff(cfg.serving.retry_budget_s), []
+        gw.start_trace(job, request.headers)
         try:
             gw.admit(job)
             if job.fields.stream:
@@ -653,12 +693,14 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             gw.metrics.errors.labels(exc.code or "error").inc()
             ri = RouteInfo.from_dict(exc.extra.get("crossfill") or {"request_id": job.request_id,
                                                                      "tenant_id": job.fields.tenant_id})
-            gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}", error_code=exc.code or "error")
+            gw.log_request(ri, None, f"{exc.status} {exc.code}: {exc.message}", error_code=exc.code or "error",
+                           span=job.span)
             exc.logged = True  # type: ignore[attr-defined]  # not again by `counted`
             raise
         except ClientGone:
             gw.log_request(RouteInfo(request_id=job.request_id, tenant_id=job.fields.tenant_id), None,
-                           "client closed the request", outcome="client_closed", error_code="client_closed")
+                           "client closed the request", outcome="client_closed", error_code="client_closed",
+                           span=job.span)
             raise
 
     async def complete(job: _Job, backoff: Backoff, avoid: list[str]) -> JSONResponse:
@@ -683,6 +725,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                 if isinstance(ev, Delta):
                     if t_first is None:
                         t_first = time.perf_counter()
+                        _first_token(job)
                     text.append(ev.text)
                     token_ids.extend(ev.token_ids)
                 elif isinstance(ev, Done):
@@ -715,6 +758,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                 if isinstance(ev, Delta):
                     if t_first is None:
                         t_first = time.perf_counter()
+                        _first_token(job)
                     chunk = {**base, "choices": [_choice_delta(job.kind, ev.text, None)]}
                     if job.kind == "generate":
                         chunk["token_ids"] = ev.token_ids
@@ -734,7 +778,7 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
                     gw.metrics.errors.labels(ev.code or "error").inc()
                     gw.log_request(ev.crossfill or info, None, f"{ev.status} {ev.code}: {ev.message}",
                                    outcome="error" if t_first is None else "error_after_first_token",
-                                   error_code=ev.code or "error")
+                                   error_code=ev.code or "error", span=job.span)
                     yield _sse(APIError(ev.status, ev.message, code=ev.code,
                                         extra={"crossfill": ev.crossfill.as_dict() if ev.crossfill else None}).body())
                     yield b"data: [DONE]\n\n"
@@ -745,13 +789,13 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             gw.metrics.errors.labels("decode_failed").inc()
             err = APIError(502, f"decode stream broke: {type(exc).__name__}: {exc}", code="decode_failed")
             gw.log_request(info, None, err.message, outcome="error" if t_first is None else "error_after_first_token",
-                           error_code="decode_failed")
+                           error_code="decode_failed", span=job.span)
             yield _sse(err.body())
             yield b"data: [DONE]\n\n"
         finally:
             if not ended:
                 gw.log_request(info, None, "client closed the stream", outcome="client_closed",
-                               error_code="client_closed")
+                               error_code="client_closed", span=job.span)
             await shielded(events.aclose())  # type: ignore[attr-defined]
 
     return app

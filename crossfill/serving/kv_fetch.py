@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from opentelemetry.context import Context
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.sampling import SamplingParams
 from crossfill.engine.types import NoKVCapacityError
 from crossfill.kv.errors import TransferError
+from crossfill.observability.tracing import ManifestWatch, SpanKind, Tracing, end_span
 from crossfill.policy.attempts import AttemptPlan, Failure, GiveUp, degradation_note, next_attempt
 from crossfill.serving.connector import DecodeConnector, Reservation, skipped_raw_bytes
 from crossfill.serving.errors import APIError
@@ -58,17 +60,20 @@ def retry_pause(n: int) -> float:
 
 
 # Called with (prefill instance, wire bytes, seconds, ok, tail seconds) after a transfer (best effort).
-# report(prefill instance, wire bytes, seconds, ok, tail seconds, request_id=, tokens=, frames=, retransmits=)
+# report(prefill instance, wire bytes, seconds, ok, tail seconds, request_id=, tokens=, frames=, retransmits=,
+#        trace_headers=)
 TransferReport = Callable[..., None]
 
 
 class KVFetcher:
     def __init__(self, cfg: CrossfillConfig, inst: Instance, engine: Any, connector: DecodeConnector,
                  http: httpx.AsyncClient, metrics: ServingMetrics, report: TransferReport,
-                 background: set[asyncio.Task[Any]], tickets: TicketGate | None = None) -> None:
+                 background: set[asyncio.Task[Any]], tickets: TicketGate | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.cfg, self.inst, self.engine, self.connector = cfg, inst, engine, connector
         self.http, self.metrics, self.report, self.background = http, metrics, report, background
         self.tickets = tickets
+        self.tracing = tracing or Tracing.off()
         self.instances = {i.name: i for i in cfg.instances()}
 
     def instance(self, name: str, job: DecodeJob) -> Instance:
@@ -92,7 +97,9 @@ class KVFetcher:
         assert self.inst.kv_port is not None
         return url, (self.inst.host, self.inst.kv_port)
 
-    async def fetch(self, job: DecodeJob, params: SamplingParams, info: RouteInfo, started: float) -> Prefilled:
+    async def fetch(self, job: DecodeJob, params: SamplingParams, info: RouteInfo, started: float,
+                    trace_ctx: Context | None = None) -> Prefilled:
+        """`trace_ctx`: decode's request span, the parent of one `decode.kv_attempt` span per attempt."""
         kv = self.cfg.inference_service.kv_cache
         if self.tickets is not None:
             self.tickets.check_decode_job(job)  # 403 before any block is reserved or prefill asked
@@ -114,7 +121,7 @@ class KVFetcher:
                 # jittered so retries of many requests do not arrive in step.
                 await asyncio.sleep(retry_pause(sum(f.instance == step.instance for f in failures)))
             try:
-                got = await self._attempt(job, params, step.instance, started)
+                got = await self._attempt(job, params, step.instance, started, trace_ctx, len(failures) + 1)
             except AttemptFailed as exc:
                 failures.append(Failure(step.instance, exc.reason, exc.status, exc.retryable))
                 info.retries = len(failures)
@@ -124,7 +131,8 @@ class KVFetcher:
                 if exc.status >= 500 and exc.status != 503:
                     # A failed transfer or a prefill that broke: evidence about the link for the
                     # scheduler's circuit breaker. A full queue (429) or a refusal is not.
-                    self.report(step.instance, 0, 0.0, False, 0.0, request_id=job.request_id)
+                    self.report(step.instance, 0, 0.0, False, 0.0, request_id=job.request_id,
+                                trace_headers=Tracing.headers(trace_ctx))
                 continue
             note = degradation_note(plan, failures, step, self._where(step.instance, job))
             if note is not None:
@@ -134,10 +142,32 @@ class KVFetcher:
                 info.degradation_reason = "; ".join(r for r in (info.degradation_reason, note) if r)
             return got
 
-    async def _attempt(self, job: DecodeJob, params: SamplingParams, name: str, started: float) -> Prefilled:
+    async def _attempt(self, job: DecodeJob, params: SamplingParams, name: str, started: float,
+                       trace_ctx: Context | None = None, attempt: int = 1) -> Prefilled:
+        cache_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
+        span = self.tracing.start("decode.kv_attempt", trace_ctx, kind=SpanKind.CLIENT, attributes={
+            "crossfill.attempt": attempt, "crossfill.prefill_instance": name, "crossfill.route": self._where(name, job),
+            "crossfill.kv.transport": self.connector.transport, "crossfill.cache_id": cache_id})
+        try:
+            got = await self._attempt_traced(job, params, name, started, cache_id, Tracing.context(span))
+        except AttemptFailed as exc:
+            end_span(span, {"crossfill.outcome": "error", "crossfill.status": exc.status}, error="attempt_failed",
+                     detail=exc.reason)
+            raise
+        except APIError as exc:
+            end_span(span, {"crossfill.outcome": "error", "crossfill.status": exc.status}, error=exc.code or "error")
+            raise
+        except BaseException:
+            end_span(span, {"crossfill.outcome": "cancelled"}, error="cancelled")
+            raise
+        end_span(span, {"crossfill.outcome": "ok", "crossfill.kv.raw_bytes": got.raw_bytes,
+                        "crossfill.kv.wire_bytes": got.wire_bytes, "crossfill.kv.reused_tokens": got.decode_cached_tokens})
+        return got
+
+    async def _attempt_traced(self, job: DecodeJob, params: SamplingParams, name: str, started: float,
+                              cache_id: str, ctx: Context) -> Prefilled:
         kv = self.cfg.inference_service.kv_cache
         timeout_s = kv.timeout_ms / 1000
-        cache_id = f"{job.request_id}.{uuid.uuid4().hex[:12]}"
         tenant = job.tenant_id or ""
         try:
             res = await self.connector.reserve(self.engine, cache_id, job.prompt_token_ids, params, tenant)
@@ -150,6 +180,8 @@ class KVFetcher:
             # the tenant and the prefill asked now (None when tickets are off).
             authorize = None if self.tickets is None else self.tickets.manifest_check(
                 cache_id=cache_id, tenant=tenant, prefill=name)
+            watch = ManifestWatch(authorize) if self.tracing.enabled else None  # for decode.kv_import
+            authorize = watch or authorize
             self.connector.expect(res, fingerprint=self.engine.fingerprint, prompt=job.prompt_token_ids, tenant=tenant,
                                   authorize=authorize)
             url, (kv_host, kv_port) = self._urls(name, job)
@@ -160,7 +192,7 @@ class KVFetcher:
                               ticket=job.ticket)
             t_call = time.perf_counter()
             where = self._where(name, job)  # local | remote: the route label of this transfer's metrics
-            first, t_kv = await self._prefill_and_transfer(name, url, pjob, timeout_s, where)
+            first, t_kv = await self._prefill_and_transfer(name, url, pjob, timeout_s, where, ctx, watch)
             raw, wire = self.connector.transfer_bytes(cache_id)
             queue_ms = (t_call - started) * 1000 + first.timings_ms.get("queue", 0.0)
             prefill_ms = first.timings_ms.get("prefill", 0.0)
@@ -195,7 +227,8 @@ class KVFetcher:
                     log.warning("decode %s: aborting import %s failed: %s", job.request_id, cache_id, exc)
 
     async def _prefill_and_transfer(self, name: str, url: str, pjob: PrefillJob, timeout_s: float,
-                                    where: str = "remote") -> tuple[FirstToken | PrefillDone, float]:
+                                    where: str = "remote", ctx: Context | None = None,
+                                    watch: ManifestWatch | None = None) -> tuple[FirstToken | PrefillDone, float]:
         """Run the prefill call and the transfer wait side by side until both the first token and
         the verified commit are in; the prefill stream then runs on to `done` in the background."""
         cache_id = pjob.cache_id
@@ -204,8 +237,16 @@ class KVFetcher:
         first_fut: asyncio.Future[FirstToken | PrefillDone] = loop.create_future()
 
         async def wait_kv() -> None:
-            await self.connector.wait(cache_id)
+            try:
+                await self.connector.wait(cache_id)
+            except TransferError as exc:
+                self._trace_import(watch, ctx, cache_id, f"kv_{exc.reason.label}")
+                raise
+            except asyncio.CancelledError:
+                self._trace_import(watch, ctx, cache_id, "cancelled")
+                raise
             t_kv.append(time.perf_counter())  # when the commit verified, not when we noticed
+            self._trace_import(watch, ctx, cache_id, None)
 
         def on_first(ev: FirstToken | PrefillDone) -> None:
             self.connector.notify(cache_id)  # the sender is committing now: a store puller may look
@@ -217,7 +258,8 @@ class KVFetcher:
         # heartbeats hold the KV wait open until its first token (then everything it computed is
         # on the wire and only KV frames count, so a stalled link is still caught).
         pre_task = asyncio.create_task(call_prefill(self.http, url, pjob, timeout_s, on_first,
-                                                    on_alive=lambda: self.connector.keep_alive(cache_id)))
+                                                    on_alive=lambda: self.connector.keep_alive(cache_id),
+                                                    trace_headers=Tracing.headers(ctx)))
         got_both = False
         try:
             while not (kv_task.done() and first_fut.done()):
@@ -238,11 +280,25 @@ class KVFetcher:
         finally:
             if not got_both:
                 await cancel_and_wait(kv_task, pre_task)
-        self._finish_in_background(pre_task, name, pjob, where)
+        self._finish_in_background(pre_task, name, pjob, where, ctx)
         return first_fut.result(), t_kv[0]
 
+    def _trace_import(self, watch: ManifestWatch | None, ctx: Context | None, cache_id: str,
+                      error: str | None) -> None:
+        """`decode.kv_import`: from the manifest's arrival to the verified commit (or the failure), under
+        the sender's `kv.send` span named in the manifest. Nothing when no manifest arrived."""
+        if watch is None or watch.arrived_ns is None:
+            return
+        parent = self.tracing.from_traceparent(watch.traceparent) or ctx
+        raw, wire = self.connector.transfer_bytes(cache_id)
+        span = self.tracing.start("decode.kv_import", parent, kind=SpanKind.CONSUMER, start_ns=watch.arrived_ns,
+                                  attributes={"crossfill.cache_id": cache_id,
+                                              "crossfill.kv.transport": self.connector.transport})
+        end_span(span, {"crossfill.outcome": "ok" if error is None else "error", "crossfill.kv.raw_bytes": raw,
+                        "crossfill.kv.wire_bytes": wire}, error=error)
+
     def _finish_in_background(self, pre_task: asyncio.Task[PrefillDone], name: str, job: PrefillJob,
-                              where: str) -> None:
+                              where: str, ctx: Context | None = None) -> None:
         """Let the prefill stream reach `done`, then report the transfer to the scheduler."""
         self.background.add(pre_task)
 
@@ -255,6 +311,6 @@ class KVFetcher:
             self.metrics.worker.kv_duration.labels(where).observe(k.duration_s)
             self.report(name, k.wire_bytes, k.duration_s, True, k.commit_wait_s, request_id=job.request_id,
                         tokens=len(job.prompt_token_ids) - done_event.export_from, frames=k.frames,
-                        retransmits=k.retransmits)
+                        retransmits=k.retransmits, trace_headers=Tracing.headers(ctx))
 
         pre_task.add_done_callback(done)

@@ -36,13 +36,15 @@ class AttemptFailed(Exception):
 
 async def call_prefill(http: httpx.AsyncClient, url: str, job: PrefillJob, timeout_s: float,
                        on_first: Callable[[FirstToken | PrefillDone], None],
-                       on_alive: Callable[[], None] | None = None) -> PrefillDone:
+                       on_alive: Callable[[], None] | None = None,
+                       trace_headers: dict[str, str] | None = None) -> PrefillDone:
     """Run `job` on the prefill at `url`; `on_first` gets the first token as soon as it is known,
-    `on_alive` each sign of life before it (accepted, heartbeat while queued or computing)."""
+    `on_alive` each sign of life before it (accepted, heartbeat while queued or computing).
+    `trace_headers`: the attempt's W3C `traceparent`, so prefill's spans join the request's trace."""
     first_seen = False
     try:
         async with http.stream("POST", url + "/v1/prefill", content=job.model_dump_json(),
-                               headers={"content-type": "application/json"},
+                               headers={"content-type": "application/json", **(trace_headers or {})},
                                timeout=httpx.Timeout(timeout_s, connect=timeout_s)) as resp:
             if resp.status_code != 200:
                 body = await resp.aread()

@@ -21,6 +21,7 @@ the transfer is dropped, so nothing keeps computing or holding KV for nobody.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -28,10 +29,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
 
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
 from crossfill.observability.request_log import RequestLog
+from crossfill.observability.tracing import SpanKind, Tracing, end_span
 from crossfill.security.audit import open_audit
 from crossfill.serving.connector import PrefillConnector, build_manifest, kv_at_rest
 from crossfill.serving.errors import parse_body
@@ -63,6 +67,7 @@ class PrefillWorker(WorkerBase):
         self.connector = PrefillConnector(cfg, inst, kv_at_rest(cfg, registry=self.metrics.registry, audit=self.audit))
         self.tickets = TicketGate(cfg, inst.name, self.metrics, self.audit)
         self.request_log = RequestLog("prefill", inst.name)
+        self.tracing = Tracing(cfg, "prefill", inst.name, inst.datacenter)
         # Decode runs in the local datacenter: this instance's KV crosses a link unless it is there too.
         self.route = "local" if inst.datacenter == cfg.topology.local_datacenter else "remote"
         # (tokens computed, seconds) of recent prefills: the speed the scheduler's routing and
@@ -83,13 +88,19 @@ class PrefillWorker(WorkerBase):
 
     async def close(self) -> None:
         await self.connector.close()
+        self.tracing.shutdown()  # the last spans are written before the process exits
 
-    async def run(self, job: PrefillJob) -> AsyncIterator[bytes]:
-        """Admit or refuse `job`, then stream its progress events; cleans up if the caller leaves."""
+    async def run(self, job: PrefillJob, trace_ctx: Context | None = None) -> AsyncIterator[bytes]:
+        """Admit or refuse `job`, then stream its progress events; cleans up if the caller leaves.
+        `trace_ctx`: decode's attempt span (from `traceparent`), the parent of this one."""
         arrived = time.perf_counter()
+        span = self.tracing.start("prefill.request", trace_ctx, kind=SpanKind.SERVER, attributes={
+            "crossfill.request_id": job.request_id, "crossfill.cache_id": job.cache_id,
+            "crossfill.decode_instance": job.decode_instance, "crossfill.prompt_tokens": len(job.prompt_token_ids)})
         events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent] = asyncio.Queue()
-        task = asyncio.create_task(self._prefill(job, arrived, events))
+        task = asyncio.create_task(self._prefill(job, arrived, events, Tracing.context(span)))
         finished = False
+        error: str | None = "client_closed"  # the span's outcome unless an answer went out
         try:
             yield ndjson(Accepted(instance=self.inst.name, queue_depth=self.in_flight))
             while True:
@@ -101,6 +112,7 @@ class PrefillWorker(WorkerBase):
                 yield ndjson(ev)
                 if isinstance(ev, PrefillDone | ErrorEvent):
                     finished = True
+                    error = (ev.code or "error") if isinstance(ev, ErrorEvent) else None
                     return
         finally:
             if not finished:
@@ -109,12 +121,15 @@ class PrefillWorker(WorkerBase):
             await shielded(asyncio.wait([task]))  # not gather: a re-cancelled gather cuts the cleanup short
             if not task.cancelled():
                 task.exception()  # retrieved: _prefill reports its own errors as events
+            end_span(span, error=error)
 
     async def _prefill(self, job: PrefillJob, arrived: float,
-                       events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent]) -> None:
+                       events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent], ctx: Context) -> None:
         engine_id = job.cache_id  # unique per attempt, so a retry never collides with a stale one
         t_first: float | None = None
         out: PrefillOutput | None = None
+        send: Span | None = None  # the transfer's span; its traceparent travels in the manifest
+        failure = "cancelled"  # how `send` ends unless the commit is acknowledged
         try:
             plan = self.connector.plan(job)
             if plan.refused is not None:
@@ -126,6 +141,10 @@ class PrefillWorker(WorkerBase):
                                       tenant=job.tenant_id or "", fingerprint=self.engine.fingerprint,
                                       token_ids=job.prompt_token_ids, layer_specs=self.engine.layer_specs,
                                       skip_tokens=plan.export_from, ticket=job.ticket)
+            send = self.tracing.start("kv.send", ctx, kind=SpanKind.PRODUCER, attributes={
+                "crossfill.kv.transport": self.connector.transport, "crossfill.route": self.route,
+                "crossfill.kv.export_from": plan.export_from})
+            manifest = dataclasses.replace(manifest, traceparent=Tracing.traceparent(send))
             layers = max(len(self.engine.layer_specs), 1)
             async with self.connector.open(job, manifest) as tx:
                 async for item in self.engine.prefill(engine_id, job.prompt_token_ids, job.sampling,
@@ -144,6 +163,10 @@ class PrefillWorker(WorkerBase):
                 per_layer = (t_done - first) / max(layers - 1, 1)
                 start = max(arrived, first - per_layer)
                 timings = {"queue": (start - arrived) * 1000, "prefill": (t_done - start) * 1000}
+                self.tracing.record("prefill.queue", ctx, arrived, start)
+                self.tracing.record("prefill.compute", ctx, start, t_done, {
+                    "crossfill.prompt_tokens": len(job.prompt_token_ids),
+                    "crossfill.cached_tokens": out.num_cached_tokens, "crossfill.kv.export_from": plan.export_from})
                 result = {"first_token_id": out.first_token_id, "timings_ms": timings,
                           "num_cached_tokens": out.num_cached_tokens, "export_from": plan.export_from,
                           "reuse_refused": plan.refused}
@@ -151,6 +174,9 @@ class PrefillWorker(WorkerBase):
                 # acknowledgement has come back: that saves decode a round trip on the WAN.
                 await events.put(FirstToken(**result))
                 stats = await tx.commit()
+            end_span(send, {"crossfill.outcome": "ok", "crossfill.kv.raw_bytes": stats.raw_bytes,
+                            "crossfill.kv.wire_bytes": stats.wire_bytes, "crossfill.kv.frames": stats.frames,
+                            "crossfill.kv.retransmits": stats.retransmits, "crossfill.kv.reconnects": stats.reconnects})
             t_commit = time.perf_counter()
             timings["commit_wait"] = (t_commit - t_done) * 1000
             self.metrics.prefill.observe(t_done - start)
@@ -169,16 +195,21 @@ class PrefillWorker(WorkerBase):
             await self._abort_engine(engine_id)
             raise
         except ValueError as exc:
+            failure = "invalid_request"
             self.request_log.emit("prefill", self._info(job, {}), status="error", error_code="invalid_request",
                                   error=str(exc))
             await events.put(ErrorEvent(status=400, code="invalid_request", message=str(exc)))
         except Exception as exc:  # noqa: BLE001 - reported to decode, which retries or falls back
+            failure = "prefill_failed"
             log.warning("prefill %s cache=%s failed: %s: %s", job.request_id, job.cache_id, type(exc).__name__, exc)
             self.request_log.emit("prefill", self._info(job, {}), status="error", error_code="prefill_failed",
                                   error=f"{type(exc).__name__}: {exc}")
             await self._abort_engine(engine_id)
             await events.put(ErrorEvent(status=502, code="prefill_failed",
                                         message=f"prefill on {self.inst.name} failed: {type(exc).__name__}: {exc}"))
+        finally:
+            if send is not None:  # nothing once the commit ended it
+                end_span(send, {"crossfill.outcome": "error"}, error=failure)
 
     def _info(self, job: PrefillJob, timings: dict[str, float]) -> RouteInfo:
         """This prefill attempt as the request log reports it (decode's line covers the whole request)."""
@@ -214,6 +245,7 @@ def create_prefill_app(cfg: CrossfillConfig, inst: Instance, engine: Any | None 
                      f"prefill instance {inst.name} queue is full (max_queue_depth {worker.capacity})")
         # Before anything is computed or sent: the scheduler's ticket for exactly this job (403 otherwise).
         worker.tickets.check_prefill_job(job)
-        return ClosingStreamingResponse(worker.run(job), media_type="application/x-ndjson")
+        return ClosingStreamingResponse(worker.run(job, worker.tracing.extract(request.headers)),
+                                        media_type="application/x-ndjson")
 
     return app

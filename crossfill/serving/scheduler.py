@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
+from opentelemetry.context import Context
 from pydantic import Field
 
 from crossfill.config import CrossfillConfig, Instance
@@ -45,6 +46,7 @@ from crossfill.engine.block_pool import DEFAULT_BLOCK_SIZE as PREFIX_BLOCK_SIZE
 from crossfill.net.probe import measure_bandwidth_paired
 from crossfill.observability.collectors import ClusterCollector
 from crossfill.observability.route_reasons import reason_label
+from crossfill.observability.tracing import SpanKind, Tracing, end_span
 from crossfill.policy import Defer, InstanceState, NoRoute, RouteRequest, Snapshot, decide
 from crossfill.policy.kv_index import KVIndex
 from crossfill.policy.routing import Route
@@ -362,6 +364,7 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
                                                         state.threshold_tokens())}))
     interval = cfg.serving.health_check_interval_ms / 1000
     tls = client_kwargs(cfg, "scheduler")  # mutual TLS to every worker; {} when off
+    tracing = Tracing(cfg, "scheduler", "scheduler", cfg.topology.local_datacenter)
 
     async def poll_forever() -> None:
         # Generous: a busy worker (2 cores shared by everything) is slow, not dead.
@@ -409,6 +412,7 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            tracing.shutdown()  # the last spans are written before the process exits
 
     app = FastAPI(title="crossfill scheduler", lifespan=lifespan)
     install_error_handlers(app)
@@ -420,6 +424,22 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     @app.post("/v1/route")
     async def route(request: Request) -> dict[str, object]:
         q = await parse_body(request, RouteQuery)
+        span = tracing.start("scheduler.route", tracing.extract(request.headers), kind=SpanKind.SERVER, attributes={
+            "crossfill.request_id": q.request_id, "crossfill.prompt_tokens": q.prompt_tokens,
+            "crossfill.prefill_policy": q.prefill_policy, "crossfill.tenant_id": q.tenant_id})
+        try:
+            out = await decide_route(q, Tracing.context(span))
+        except APIError as exc:
+            end_span(span, error=exc.code or "error")
+            raise
+        except BaseException:  # the gateway hung up (a batch request waiting)
+            end_span(span, error="cancelled")
+            raise
+        end_span(span, {f"crossfill.route.{k}": out.get(k)
+                        for k in ("kind", "prefill", "decode", "reason", "degradation_reason")})
+        return out
+
+    async def decide_route(q: RouteQuery, ctx: Context) -> dict[str, object]:
         if state.rounds == 0:
             raise APIError(503, "the scheduler is starting: no health probe round has answered yet",
                            code="not_ready", retry_after=cfg.serving.retry_after_s)
@@ -439,7 +459,11 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
                     state.routed(q, routed)  # before the next waiter is tried
                     return routed
 
-                r = await batch_queue.wait(routing.tenant(q.tenant_id).weight, attempt_and_count)
+                queued = tracing.start("scheduler.batch_queue", ctx, attributes={"crossfill.reason": deferred.message})
+                try:
+                    r = await batch_queue.wait(routing.tenant(q.tenant_id).weight, attempt_and_count)
+                finally:
+                    end_span(queued)
             else:
                 state.routed(q, r)
         except NoRoute as exc:
@@ -466,6 +490,10 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
     @app.post("/v1/report/transfer")
     async def report(request: Request) -> dict[str, bool]:
         r = await parse_body(request, TransferReport)
+        end_span(tracing.start("scheduler.transfer_report", tracing.extract(request.headers), kind=SpanKind.SERVER,
+                               attributes={"crossfill.request_id": r.request_id, "crossfill.ok": r.ok,
+                                           "crossfill.datacenter": r.from_datacenter,
+                                           "crossfill.kv.wire_bytes": r.wire_bytes}))
         state.report_transfer(r)
         if r.from_datacenter in state.links:  # what crossed a link: its utilisation and retransmit rate
             m = metrics.sched
