@@ -259,6 +259,10 @@ def run_up(config_path: str) -> int:
               f"(model {cfg.model.api_name}); native POST /v1/generate; Ctrl-C stops everything.", flush=True)
         for line in auth_lines:
             print(f"crossfill up: {line}", flush=True)
+        admin = next((k.key for k in cfg.security.auth.dev_keys if k.admin), None) if cfg.security.auth.enabled else None
+        print(f"crossfill up: live dashboard at http://{gw.host}:{gw.port}/dashboard"
+              + (f"?key={admin}" if admin else "") + "; `crossfill diagnose --config ...` checks the cluster",
+              flush=True)
         sup = Supervisor(children, cfg.serving.restart_backoff_max_s, tls=tls)
         try:
             while not stopping[0]:
