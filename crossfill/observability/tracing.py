@@ -209,14 +209,14 @@ class Tracing:
                                       start_time=start_ns)
 
     def start_root(self, name: str, *, headers: Mapping[str, str], trace_id: str | None,
-                   attributes: Attributes | None = None) -> Span:
+                   attributes: Attributes | None = None, start_ns: int | None = None) -> Span:
         """The request's root span. A `trace_id` of 32 hex digits becomes the trace id; without one,
         a client's `traceparent` header makes this span its child; otherwise a new trace starts."""
         wanted = client_trace_id(trace_id)
         parent = None if wanted is not None else self.extract(headers)
         token = _WANTED_TRACE_ID.set(wanted)
         try:
-            return self.start(name, parent, kind=SpanKind.SERVER, attributes=attributes)
+            return self.start(name, parent, kind=SpanKind.SERVER, attributes=attributes, start_ns=start_ns)
         finally:
             _WANTED_TRACE_ID.reset(token)
 

@@ -47,7 +47,7 @@ from crossfill.engine.sampling import SamplingParams
 from crossfill.observability.dashboard_api import RecentRoutes, add_dashboard_routes
 from crossfill.observability.metrics_defs import STAGES, TenantLabels
 from crossfill.observability.request_log import RequestLog
-from crossfill.observability.tracing import Tracing, end_span
+from crossfill.observability.tracing import Tracing, end_span, perf_to_ns
 from crossfill.policy.routing import Route
 from crossfill.security.audit import open_audit
 from crossfill.security.auth import Authenticator
@@ -490,7 +490,7 @@ class Gateway:
             "crossfill.request_id": job.request_id, "crossfill.api": job.kind, "crossfill.tenant_id": f.tenant_id,
             "crossfill.prompt_tokens": len(job.prompt_token_ids), "crossfill.max_tokens": job.sampling.max_tokens,
             "crossfill.stream": bool(f.stream), "crossfill.prefill_policy": f.prefill_policy,
-            "crossfill.client_trace_id": f.trace_id})
+            "crossfill.client_trace_id": f.trace_id}, start_ns=perf_to_ns(job.arrived))  # from arrival, as TTFT
         job.trace_ctx = Tracing.context(job.span)
         job.trace_id = f.trace_id or Tracing.trace_id(job.span)
 
@@ -701,6 +701,10 @@ def create_gateway_app(cfg: CrossfillConfig, facts: ModelFacts | None = None) ->
             gw.log_request(RouteInfo(request_id=job.request_id, tenant_id=job.fields.tenant_id), None,
                            "client closed the request", outcome="client_closed", error_code="client_closed",
                            span=job.span)
+            raise
+        except Exception as exc:  # unforeseen (a 500): the trace still shows the request, failed
+            if job.span is not None:
+                end_span(job.span, error=type(exc).__name__)
             raise
 
     async def complete(job: _Job, backoff: Backoff, avoid: list[str]) -> JSONResponse:

@@ -157,8 +157,11 @@ class KVFetcher:
         except APIError as exc:
             end_span(span, {"crossfill.outcome": "error", "crossfill.status": exc.status}, error=exc.code or "error")
             raise
-        except BaseException:
+        except asyncio.CancelledError:  # the request ended (client gone, deadline) while this attempt ran
             end_span(span, {"crossfill.outcome": "cancelled"}, error="cancelled")
+            raise
+        except Exception as exc:
+            end_span(span, {"crossfill.outcome": "error"}, error=type(exc).__name__)
             raise
         end_span(span, {"crossfill.outcome": "ok", "crossfill.kv.raw_bytes": got.raw_bytes,
                         "crossfill.kv.wire_bytes": got.wire_bytes, "crossfill.kv.reused_tokens": got.decode_cached_tokens})

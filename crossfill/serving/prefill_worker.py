@@ -35,7 +35,7 @@ from opentelemetry.trace import Span
 from crossfill.config import CrossfillConfig, Instance
 from crossfill.engine.types import LayerKVChunk, PrefillOutput
 from crossfill.observability.request_log import RequestLog
-from crossfill.observability.tracing import SpanKind, Tracing, end_span
+from crossfill.observability.tracing import SpanKind, Tracing, end_span, perf_to_ns
 from crossfill.security.audit import open_audit
 from crossfill.serving.connector import PrefillConnector, build_manifest, kv_at_rest
 from crossfill.serving.errors import parse_body
@@ -96,7 +96,8 @@ class PrefillWorker(WorkerBase):
         arrived = time.perf_counter()
         span = self.tracing.start("prefill.request", trace_ctx, kind=SpanKind.SERVER, attributes={
             "crossfill.request_id": job.request_id, "crossfill.cache_id": job.cache_id,
-            "crossfill.decode_instance": job.decode_instance, "crossfill.prompt_tokens": len(job.prompt_token_ids)})
+            "crossfill.decode_instance": job.decode_instance, "crossfill.prompt_tokens": len(job.prompt_token_ids)},
+            start_ns=perf_to_ns(arrived))  # the same clock reading as its queue span's start
         events: asyncio.Queue[FirstToken | PrefillDone | ErrorEvent] = asyncio.Queue()
         task = asyncio.create_task(self._prefill(job, arrived, events, Tracing.context(span)))
         finished = False
@@ -144,7 +145,9 @@ class PrefillWorker(WorkerBase):
             send = self.tracing.start("kv.send", ctx, kind=SpanKind.PRODUCER, attributes={
                 "crossfill.kv.transport": self.connector.transport, "crossfill.route": self.route,
                 "crossfill.kv.export_from": plan.export_from})
-            manifest = dataclasses.replace(manifest, traceparent=Tracing.traceparent(send))
+            traceparent = Tracing.traceparent(send)
+            if traceparent is not None:  # decode's import span joins the trace (kv/wire.py: optional field)
+                manifest = dataclasses.replace(manifest, traceparent=traceparent)
             layers = max(len(self.engine.layer_specs), 1)
             async with self.connector.open(job, manifest) as tx:
                 async for item in self.engine.prefill(engine_id, job.prompt_token_ids, job.sampling,

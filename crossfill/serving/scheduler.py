@@ -432,8 +432,11 @@ def create_scheduler_app(cfg: CrossfillConfig) -> FastAPI:
         except APIError as exc:
             end_span(span, error=exc.code or "error")
             raise
-        except BaseException:  # the gateway hung up (a batch request waiting)
+        except asyncio.CancelledError:  # the gateway hung up (a batch request waiting)
             end_span(span, error="cancelled")
+            raise
+        except Exception as exc:
+            end_span(span, error=type(exc).__name__)
             raise
         end_span(span, {f"crossfill.route.{k}": out.get(k)
                         for k in ("kind", "prefill", "decode", "reason", "degradation_reason")})
