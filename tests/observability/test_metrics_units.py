@@ -145,12 +145,13 @@ def test_cpu_utilisation_is_cpu_time_over_wall_time_and_cores() -> None:
     registry = CollectorRegistry()
     registry.register(AcceleratorCollector(clock=lambda: now[0]))
     value(registry, "crossfill_accelerator_utilization_ratio", device="cpu")  # the baseline
-    busy_until = time.process_time() + 0.05
-    while time.process_time() < busy_until:  # at least 0.05 s of CPU time in a (clock) second
+    busy_until = time.process_time() + 0.1
+    while time.process_time() < busy_until:  # at least 0.1 s of CPU time in a (clock) second
         pass
     now[0] += 1.0
     util = value(registry, "crossfill_accelerator_utilization_ratio", device="cpu")
-    assert util is not None and util >= 0.05 / (len(os.sched_getaffinity(0)) + 0.0)
+    # Half the CPU time spent, as a margin for the OS's tick-grained CPU accounting and float error.
+    assert util is not None and util >= 0.05 / len(os.sched_getaffinity(0))
     now[0] += 0.5  # a second scraper half a second later shares the window: the same value
     assert value(registry, "crossfill_accelerator_utilization_ratio", device="cpu") == util
     used = value(registry, "crossfill_accelerator_memory_used_bytes", device="cpu")
