@@ -106,7 +106,17 @@ def test_prefill_dying_mid_request_falls_back_locally_and_instance_returns(clust
             cluster.restart("far-prefill-0")
     cluster.wait_scheduler(lambda v: v["instances"]["far-prefill-0"]["healthy"]
                            and v["instances"]["far-prefill-0"]["ready"])
-    assert route_of(generate(cluster.url, unique_long()))["route"] == "remote"
+    # Healthy again is not yet routable again on a loaded machine: the link's breaker, opened by the
+    # failed transfers, closes after its own probe. Wait for the event a user relies on (long prompts
+    # go remote again), keeping the reasons seen meanwhile for the failure message.
+    seen: list[str] = []
+    for _ in range(200):  # a bound against a hang, not a timing margin: each try is one request
+        info = route_of(generate(cluster.url, unique_long()))
+        if info["route"] == "remote":
+            break
+        seen.append(f"{info.get('route_reason')} / {info.get('degradation_reason')}")
+    else:
+        raise AssertionError(f"long prompts never went remote again; last reasons: {seen[-3:]}")
     wait_idle(cluster, WORKERS)
 
 
