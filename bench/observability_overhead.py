@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import yaml
+from shifted import shift_ports  # bench/shifted.py (scripts run from bench/ on sys.path)
 
 from crossfill.config import load_config
 from crossfill.security.keys import client_api_key
@@ -55,17 +56,7 @@ class Run:
 
 def variant_doc(doc: dict[str, Any], offset: int, variant: str, tmp: Path) -> dict[str, Any]:
     """The config of one run: ports shifted, observability switched, secrets and spans under `tmp`."""
-    topo = doc["topology"]
-    for ep in ("gateway", "scheduler"):
-        topo[ep]["port"] += offset
-    for dc in topo["datacenters"].values():
-        for pool in ("prefill", "decode"):
-            if dc.get(pool):
-                for key in ("port", "kv_port"):
-                    if dc[pool].get(key):
-                        dc[pool][key] += offset
-    for link in topo.get("links", []):
-        link["emulator_port_base"] = link.get("emulator_port_base", 9500) + offset
+    shift_ports(doc, offset)
     sec = doc.setdefault("security", {})
     sec["dir"], sec["audit_dir"] = str(tmp / "security"), str(tmp / "audit")
     obs = doc["inference_service"].setdefault("observability", {})

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from shifted import shift_ports  # bench/shifted.py (scripts run from bench/ on sys.path)
 
 from crossfill.config import load_config
 from crossfill.serving.up import probe_tls, start_children, stop_children, wait_ready
@@ -33,17 +34,7 @@ QUESTIONS = ["What limits decode speed?", "And prefill?", "Why move KV across da
 
 
 def shifted(doc: dict, offset: int, reuse: bool) -> dict:
-    topo = doc["topology"]
-    for ep in ("gateway", "scheduler"):
-        topo[ep]["port"] += offset
-    for dc in topo["datacenters"].values():
-        for pool in ("prefill", "decode"):
-            if dc.get(pool):
-                for key in ("port", "kv_port"):
-                    if dc[pool].get(key):
-                        dc[pool][key] += offset
-    for link in topo.get("links", []):
-        link["emulator_port_base"] = link.get("emulator_port_base", 9500) + offset
+    shift_ports(doc, offset)
     doc["inference_service"]["kv_cache"]["reuse_decode_prefix"] = reuse
     return doc
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 import yaml
+from shifted import shift_ports  # bench/shifted.py (scripts run from bench/ on sys.path)
 
 from crossfill.config import load_config
 from crossfill.security.keys import client_api_key
@@ -67,17 +68,8 @@ class Result:
 
 def variant_doc(doc: dict[str, Any], offset: int, variant: str, emulate: bool, tmp: Path) -> dict[str, Any]:
     """The config of one run: ports shifted, the variant's switches, secrets and audit logs under `tmp`."""
-    topo = doc["topology"]
-    for ep in ("gateway", "scheduler"):
-        topo[ep]["port"] += offset
-    for dc in topo["datacenters"].values():
-        for pool in ("prefill", "decode"):
-            if dc.get(pool):
-                for key in ("port", "kv_port"):
-                    if dc[pool].get(key):
-                        dc[pool][key] += offset
-    for link in topo.get("links", []):
-        link["emulator_port_base"] = link.get("emulator_port_base", 9500) + offset
+    shift_ports(doc, offset)
+    for link in doc["topology"].get("links", []):
         link["emulate"] = emulate
     sec = doc.setdefault("security", {})
     # Fresh secrets per run: a CA left by another variant (or by `make serve`) must not be reused.
